@@ -1,0 +1,44 @@
+"""The one `ember` command line. Each subcommand lives in `ember/commands/<name>.py`
+and exposes `register(subparsers)`; this module only wires them together."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules under ember.commands, in the order `ember --help` lists them.
+COMMAND_MODULES = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ember",
+        description="Ember: a self-hosted LLM inference platform.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"ember.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ember` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI prints one clear line, never a traceback
+        from ember.errors import EmberError
+
+        if isinstance(exc, EmberError):
+            print(f"ember {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

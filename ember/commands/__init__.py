@@ -1,0 +1,1 @@
+"""Subcommands of the `ember` CLI; each module exposes `register(subparsers)`."""
