@@ -1,0 +1,80 @@
+"""Engine configuration: one dataclass shared by the offline API, the CLI and the server."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from ember.errors import EmberError
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2-135m-instruct"  # alias, HF folder or .gguf
+    dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (~300x slower)
+    device: str = "auto"  # auto -> cuda if available else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings capped at 8192
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB; default sized by the model runner
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; default: os.cpu_count()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise EmberError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
+            raise EmberError(f"device must be one of {', '.join(DEVICE_CHOICES)} or cuda:N, got {self.device!r}")
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        if self.max_model_len is not None:
+            positive["max_model_len"] = self.max_model_len
+        if self.num_threads is not None:
+            positive["num_threads"] = self.num_threads
+        for name, value in positive.items():
+            if value < 1:
+                raise EmberError(f"{name} must be at least 1, got {value}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise EmberError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one kebab-case flag per field (--max-num-seqs ...) to `parser`."""
+        defaults = EngineArgs()
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", default=defaults.model,
+                           help="model alias, Hugging Face folder or .gguf file (default: %(default)s)")
+        group.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_CHOICES,
+                           help="weight and activation dtype; auto = bfloat16 on CPUs that support it")
+        group.add_argument("--device", default=defaults.device,
+                           help="auto, cpu, cuda or cuda:N (auto picks cuda when available)")
+        group.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                           help="longest prompt + completion in tokens (default: the model's, capped at 8192)")
+        group.add_argument("--block-size", type=int, default=defaults.block_size,
+                           help="tokens per paged KV-cache block (default: %(default)s)")
+        group.add_argument("--kv-cache-memory", type=float, default=defaults.kv_cache_memory,
+                           help="KV-cache size in GiB (default: sized from max-num-seqs and max-model-len)")
+        group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                           help="most sequences in one step's batch (default: %(default)s)")
+        group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                           help="token budget of one step: decodes plus prefill chunks (default: %(default)s)")
+        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                           default=defaults.enable_prefix_caching,
+                           help="reuse the KV cache of identical prompt prefixes across requests")
+        group.add_argument("--num-threads", type=int, default=defaults.num_threads,
+                           help="torch intra-op threads (default: the number of CPU cores)")
+        group.add_argument("--seed", type=int, default=defaults.seed,
+                           help="seed of the global sampling generator (default: %(default)s)")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{field.name: getattr(ns, field.name) for field in dataclasses.fields(cls)})
