@@ -1,0 +1,335 @@
+"""The gateway's one configuration file (YAML), validated with pydantic.
+
+`load_config(path)` is the only entry point; a bad file raises `GatewayConfigError` whose message
+names the dotted path of every bad field and why, e.g.
+`fleet.yaml: models.tiny.deployments[0].replicas[1].capacity: Input should be greater than 0`.
+
+Shape (every section but `models` is optional):
+
+    listener_region: us-east            # the region this gateway listens in (default client region)
+    admin_key_sha256: <hex>             # guards /admin/*; `ember keys hash` prints it
+    regions:
+      us-east: {latency_ms: {us-west: 70}}   # symmetric; a missing pair means "far" (infinite)
+      us-west: {}
+    models:
+      tiny:                             # the name clients send as `model`
+        routing: {policy: least-outstanding}
+        deployments:
+          - name: stable
+            model: tiny-v1              # the model id the replicas serve (sent upstream as `model`)
+            version: v1
+            weight: 90                  # traffic share among this model's deployments (canaries)
+            replicas:
+              - url: http://127.0.0.1:8001
+                region: us-east
+                labels: {hw: cpu}
+                capacity: 8             # max concurrent requests the gateway sends it
+    keys:
+      store: keys.db                    # SQLite key store (relative to this file); `ember keys` writes it
+      inline:
+        - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
+    limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
+    async: {...}                        # async jobs / batch / webhooks (filled by that area)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ember.errors import EmberError
+
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+ROUTING_POLICIES = (
+    "round-robin",
+    "least-outstanding",
+    "load-aware",
+    "prefix-cache",
+    "session-affinity",
+)
+
+
+class GatewayConfigError(EmberError):
+    """The gateway configuration file is missing, unreadable or invalid."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Strict):
+    url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000")
+    id: str | None = Field(default=None, description="Stable name in metrics and logs; defaults to the URL")
+    region: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends it")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
+        return url.rstrip("/")
+
+    @property
+    def replica_id(self) -> str:
+        return self.id or self.url
+
+
+class DeploymentConfig(_Strict):
+    name: str = "default"
+    model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
+    version: str | None = None
+    weight: float = Field(default=1.0, ge=0)
+    replicas: list[ReplicaConfig] = Field(min_length=1)
+
+
+class RoutingConfig(_Strict):
+    policy: Literal[ROUTING_POLICIES] = "least-outstanding"  # type: ignore[valid-type]
+    # Policy-specific knobs (prefix length, load bound, session header, ...), read by ember.gateway.routing.
+    options: dict[str, Any] = Field(default_factory=dict)
+    # Client region -> nearest region with healthy capacity; off means regions are ignored for this model.
+    region_aware: bool = True
+
+
+class GatewayModelConfig(_Strict):
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    deployments: list[DeploymentConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_deployments(self) -> GatewayModelConfig:
+        names = [deployment.name for deployment in self.deployments]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"deployment names must be unique, repeated: {', '.join(duplicates)}")
+        if not any(deployment.weight > 0 for deployment in self.deployments):
+            raise ValueError("at least one deployment needs a weight above 0")
+        return self
+
+
+class RegionConfig(_Strict):
+    latency_ms: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("latency_ms")
+    @classmethod
+    def _non_negative(cls, latencies: dict[str, float]) -> dict[str, float]:
+        for region, latency in latencies.items():
+            if latency < 0:
+                raise ValueError(f"latency to {region!r} must be >= 0, got {latency}")
+        return latencies
+
+
+class KeyPolicy(_Strict):
+    """What one API key may do. Shared by inline keys and the SQLite key store."""
+
+    models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
+    priority: int = Field(default=0, ge=0, description="Queue tier; a higher tier is served first")
+    max_priority: int | None = Field(
+        default=None, ge=0, description="Highest tier a request may ask for (x-ember-priority); default: priority"
+    )
+    rpm: int | None = Field(default=None, gt=0, description="Requests per minute")
+    tpm: int | None = Field(default=None, gt=0, description="Tokens (prompt + completion) per minute")
+    max_concurrent: int | None = Field(default=None, gt=0)
+    token_budget: int | None = Field(default=None, gt=0, description="Total tokens this key may ever use")
+    default_deadline_ms: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> KeyPolicy:
+        if self.max_priority is not None and self.max_priority < self.priority:
+            raise ValueError(f"max_priority ({self.max_priority}) is below priority ({self.priority})")
+        return self
+
+    @property
+    def highest_priority(self) -> int:
+        return self.priority if self.max_priority is None else self.max_priority
+
+    def allows_model(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+class InlineKeyConfig(KeyPolicy):
+    name: str
+    sha256: str = Field(description="SHA-256 hex digest of the key; the key itself never appears in config")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, digest: str) -> str:
+        digest = digest.lower()
+        if not SHA256_HEX.match(digest):
+            raise ValueError("must be a 64-character hex SHA-256 digest (`ember keys hash` prints one)")
+        return digest
+
+
+class KeysConfig(_Strict):
+    store: Path | None = Field(default=None, description="SQLite key store; relative to the config file")
+    inline: list[InlineKeyConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> KeysConfig:
+        names = [key.name for key in self.inline]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"inline key names must be unique, repeated: {', '.join(duplicates)}")
+        return self
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    default_max_tokens: int = Field(
+        default=256, gt=0, description="Assumed completion length for TPM estimates when max_tokens is absent"
+    )
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(default=2.0, gt=0)
+    first_byte_s: float = Field(default=60.0, gt=0, description="Until the replica sends response headers")
+    idle_s: float = Field(default=60.0, gt=0, description="Max gap between two chunks of a response")
+
+
+class FailoverConfig(_Strict):
+    max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request before giving up")
+
+
+class HealthConfig(_Strict):
+    path: str = "/health"
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    unhealthy_threshold: int = Field(default=3, ge=1, description="Consecutive failures that eject a replica")
+    healthy_threshold: int = Field(default=1, ge=1, description="Consecutive successes that re-admit it")
+
+
+class ScrapeConfig(_Strict):
+    path: str = "/metrics"
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+
+
+class QueueConfig(_Strict):
+    max_size: int = Field(default=1024, ge=0, description="Waiting requests per model; beyond it -> 429")
+    default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
+
+
+class AsyncSettings(BaseModel):
+    """Async jobs, webhooks, Batch API, WebSocket and gRPC listeners: owned by that area, which
+    validates its own fields; unknown keys are kept so that section can evolve independently."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class GatewayConfig(_Strict):
+    listener_region: str | None = None
+    admin_key_sha256: str | None = None
+    regions: dict[str, RegionConfig] = Field(default_factory=dict)
+    models: dict[str, GatewayModelConfig] = Field(min_length=1)
+    keys: KeysConfig = Field(default_factory=KeysConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    failover: FailoverConfig = Field(default_factory=FailoverConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _admin_digest(cls, digest: str | None) -> str | None:
+        if digest is None:
+            return None
+        digest = digest.lower()
+        if not SHA256_HEX.match(digest):
+            raise ValueError("must be a 64-character hex SHA-256 digest (`ember keys hash` prints one)")
+        return digest
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> GatewayConfig:
+        known = set(self.regions)
+        problems: list[str] = []
+        if self.listener_region is not None and known and self.listener_region not in known:
+            problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
+        for region, region_config in self.regions.items():
+            for other in region_config.latency_ms:
+                if other not in known:
+                    problems.append(f"regions.{region}.latency_ms names undeclared region {other!r}")
+        seen_ids: dict[str, str] = {}
+        for model_name, model in self.models.items():
+            for d_index, deployment in enumerate(model.deployments):
+                for r_index, replica in enumerate(deployment.replicas):
+                    where = f"models.{model_name}.deployments[{d_index}].replicas[{r_index}]"
+                    if replica.region is not None and known and replica.region not in known:
+                        problems.append(f"{where}.region {replica.region!r} is not declared under regions")
+                    previous = seen_ids.get(replica.replica_id)
+                    if previous is not None:
+                        problems.append(f"{where}: replica id {replica.replica_id!r} already used at {previous}")
+                    seen_ids[replica.replica_id] = where
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def latency_ms(self, source: str, target: str) -> float:
+        """Symmetric latency between two regions; 0 within a region, infinity when undeclared."""
+        if source == target:
+            return 0.0
+        forward = self.regions.get(source)
+        if forward is not None and target in forward.latency_ms:
+            return forward.latency_ms[target]
+        backward = self.regions.get(target)
+        if backward is not None and source in backward.latency_ms:
+            return backward.latency_ms[source]
+        return float("inf")
+
+
+def format_location(loc: tuple[str | int, ...]) -> str:
+    """('models', 'tiny', 'deployments', 0, 'weight') -> 'models.tiny.deployments[0].weight'."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part in ("model_validator", "function-after") or part.startswith("function-"):
+            continue
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def validation_message(source: str, error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        message = item["msg"].removeprefix("Value error, ")
+        location = format_location(item["loc"])
+        problems.append(f"{location}: {message}" if location else message)
+    return f"{source}: " + "; ".join(problems)
+
+
+def parse_config(data: Any, source: str = "gateway config", base_dir: Path | None = None) -> GatewayConfig:
+    """Validate an already-parsed mapping (tests build configs this way)."""
+    if not isinstance(data, dict):
+        raise GatewayConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        config = GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise GatewayConfigError(validation_message(source, exc)) from None
+    store = config.keys.store
+    if store is not None and base_dir is not None and not store.is_absolute():
+        config = config.model_copy(
+            update={"keys": config.keys.model_copy(update={"store": (base_dir / store).resolve()})}
+        )
+    return config
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise GatewayConfigError(f"cannot read gateway config {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise GatewayConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, source=str(path), base_dir=path.parent)

@@ -1,0 +1,169 @@
+"""The gateway's live view of its replicas: health, outstanding requests and the last scraped load.
+
+Everything here runs on the gateway's event loop thread, so plain attributes need no locks.
+The dispatcher acquires/releases capacity, the health prober and the proxy report successes and
+failures, the scraper (ember.gateway.scraper) fills `Replica.metrics`, the router reads all of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ember.gateway.config import GatewayConfig
+
+PoolEvent = Literal["eject", "readmit", "release"]
+PoolListener = Callable[[PoolEvent, "Replica"], None]
+
+
+@dataclass(slots=True)
+class ReplicaMetrics:
+    """One scrape of a replica's /metrics (vLLM names or ember's); None where the server lacks it."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None  # 0..1
+    prefix_cache_hits: float | None = None  # tokens, cumulative counter
+    prefix_cache_queries: float | None = None  # tokens, cumulative counter
+    scraped_at: float = 0.0  # time.monotonic()
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    id: str
+    url: str
+    model: str  # the name clients use (the key under `models:`)
+    upstream_model: str  # the id the replica serves; sent upstream as `model`
+    deployment: str
+    version: str | None
+    weight: float  # the deployment's traffic weight
+    region: str | None
+    labels: dict[str, str]
+    capacity: int
+    healthy: bool = True
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    ejected_at: float | None = None
+    ejection_reason: str | None = None
+    metrics: ReplicaMetrics = field(default_factory=ReplicaMetrics)
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.healthy and self.outstanding < self.capacity
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.capacity - self.outstanding, 0) if self.healthy else 0
+
+
+class ReplicaPool:
+    """All replicas, grouped by the model name clients use."""
+
+    def __init__(self, replicas: list[Replica], unhealthy_threshold: int = 3, healthy_threshold: int = 1):
+        self._by_model: dict[str, list[Replica]] = {}
+        self._by_id: dict[str, Replica] = {}
+        for replica in replicas:
+            self._by_model.setdefault(replica.model, []).append(replica)
+            self._by_id[replica.id] = replica
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
+        self._listeners: list[PoolListener] = []
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> ReplicaPool:
+        replicas = []
+        for model_name, model in config.models.items():
+            for deployment in model.deployments:
+                for replica in deployment.replicas:
+                    replicas.append(
+                        Replica(
+                            id=replica.replica_id,
+                            url=replica.url,
+                            model=model_name,
+                            upstream_model=deployment.model or model_name,
+                            deployment=deployment.name,
+                            version=deployment.version,
+                            weight=deployment.weight,
+                            region=replica.region,
+                            labels=dict(replica.labels),
+                            capacity=replica.capacity,
+                        )
+                    )
+        return cls(replicas, config.health.unhealthy_threshold, config.health.healthy_threshold)
+
+    # --- lookups -------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def replicas(self, model: str) -> list[Replica]:
+        return self._by_model.get(model, [])
+
+    def healthy(self, model: str) -> list[Replica]:
+        return [replica for replica in self._by_model.get(model, []) if replica.healthy]
+
+    def with_capacity(self, model: str) -> list[Replica]:
+        return [replica for replica in self._by_model.get(model, []) if replica.has_capacity]
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._by_id.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        return list(self._by_id.values())
+
+    # --- capacity ------------------------------------------------------------------------------
+
+    def acquire(self, replica: Replica) -> None:
+        replica.outstanding += 1
+
+    def release(self, replica: Replica) -> None:
+        replica.outstanding -= 1
+        self._notify("release", replica)
+
+    # --- health --------------------------------------------------------------------------------
+
+    def mark_success(self, replica: Replica) -> None:
+        """A probe or request succeeded; re-admits an ejected replica after `healthy_threshold` in a row."""
+        replica.consecutive_failures = 0
+        replica.consecutive_successes += 1
+        if not replica.healthy and replica.consecutive_successes >= self.healthy_threshold:
+            self.readmit(replica)
+
+    def mark_failure(self, replica: Replica, reason: str, *, eject_now: bool = False) -> None:
+        """A probe or request failed; ejects after `unhealthy_threshold` in a row, or at once when the
+        failure proves the replica unreachable (connection refused/reset: passive ejection)."""
+        replica.consecutive_successes = 0
+        replica.consecutive_failures += 1
+        if replica.healthy and (eject_now or replica.consecutive_failures >= self.unhealthy_threshold):
+            self.eject(replica, reason)
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        replica.consecutive_successes = 0
+        replica.ejected_at = time.monotonic()
+        replica.ejection_reason = reason
+        self._notify("eject", replica)
+
+    def readmit(self, replica: Replica) -> None:
+        if replica.healthy:
+            return
+        replica.healthy = True
+        replica.consecutive_failures = 0
+        replica.ejected_at = None
+        replica.ejection_reason = None
+        self._notify("readmit", replica)
+
+    # --- listeners (metrics count ejections, the admission queue wakes on freed capacity) ------
+
+    def add_listener(self, listener: PoolListener) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, event: PoolEvent, replica: Replica) -> None:
+        for listener in self._listeners:
+            listener(event, replica)
