@@ -1,0 +1,32 @@
+"""Model id/path -> LoadedModel: config, Hugging Face-named tensors in the target dtype, tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ember.errors import ModelLoadError
+from ember.loader.loaded_model import LoadedModel
+from ember.loader.resolve import resolve_model
+from ember.loader.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "Tokenizer", "load_model", "resolve_model"]
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Load an alias (smollm2-135m-instruct), a Hugging Face folder or a .gguf file.
+
+    `device` only decides what dtype "auto" means; tensors are returned on the CPU.
+    Raises ModelLoadError with a message naming the problem on any bad input."""
+    path = resolve_model(model)
+    if path.is_dir():
+        from ember.loader.hf import load_hf_folder
+
+        return load_hf_folder(path, dtype=dtype, device=device)
+    if path.suffix.lower() == ".gguf":
+        from ember.loader.gguf import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=device)
+    raise ModelLoadError(f"{path}: not a model folder or a .gguf file")

@@ -1,0 +1,18 @@
+"""What the loader hands the engine: config, Hugging Face-named tensors and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.loader.tokenizer import Tokenizer
+from ember.models.config import ModelConfig
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # HF names, already in config.torch_dtype
+    tokenizer: Tokenizer
+    source: str  # the resolved path, for logs and /v1/models
