@@ -186,8 +186,9 @@ class LimitsConfig(_Strict):
 
 class TimeoutsConfig(_Strict):
     connect_s: float = Field(default=2.0, gt=0)
-    first_byte_s: float = Field(default=60.0, gt=0, description="Until the replica sends response headers")
-    idle_s: float = Field(default=60.0, gt=0, description="Max gap between two chunks of a response")
+    read_s: float = Field(
+        default=120.0, gt=0, description="Max wait for the replica's response headers and between two chunks"
+    )
 
 
 class FailoverConfig(_Strict):

@@ -1,0 +1,293 @@
+"""The gateway's internal API, shared by every protocol (HTTP routes, WebSocket, gRPC, async jobs):
+
+    principal = dispatcher.authenticate(authorization_header)        # GatewayError 401
+    result = await dispatcher.dispatch(principal, "chat/completions", body, priority=..., ...)
+    result.json()                       # non-streamed
+    async for payload in result.events(): ...                         # streamed (`data` payloads)
+    await result.aclose()
+
+`dispatch` runs admission (model, key permissions, limits), waits in the priority queue while the
+model's replicas are at capacity, asks the router for a replica, and fails over to another replica
+while nothing has reached the caller yet. Every refusal is a `GatewayError`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import orjson
+
+from ember.gateway.admission_queue import AdmissionQueue
+from ember.gateway.config import GatewayConfig
+from ember.gateway.errors import GatewayError, bad_request, unavailable
+from ember.gateway.health import HealthProber
+from ember.gateway.keys import KeyRing, KeyStore, Principal
+from ember.gateway.metrics import GatewayMetrics
+from ember.gateway.proxy import (
+    SSEParser,
+    UpstreamClient,
+    UpstreamFailure,
+    UpstreamResult,
+    read_body,
+    read_first_events,
+)
+from ember.gateway.ratelimit import Admission, RateLimiter
+from ember.gateway.replicas import Replica, ReplicaPool
+from ember.gateway.request_context import RequestContext
+from ember.gateway.usage import UsageLedger
+
+ENDPOINTS = ("chat/completions", "completions")
+BACKGROUND_PRIORITY = -1  # below every key's tier: async jobs wait behind interactive traffic
+
+
+class LeastOutstandingRouter:
+    """Stand-in until ember.gateway.router lands: the replica with the fewest requests in flight."""
+
+    def __init__(self, pool: ReplicaPool):
+        self.pool = pool
+
+    def select(self, model: str, request_ctx: RequestContext, exclude: set[str]) -> Replica | None:
+        candidates = [r for r in self.pool.with_capacity(model) if r.id not in exclude]
+        return min(candidates, key=lambda r: r.outstanding / r.capacity, default=None)
+
+
+class Dispatcher:
+    """Owns the gateway's state (pool, keys, limits, queue, upstream client, probes); start/stop it
+    inside the serving event loop."""
+
+    def __init__(self, config: GatewayConfig, router=None):
+        self.config = config
+        self.pool = ReplicaPool.from_config(config)
+        self.metrics = GatewayMetrics()
+        self.metrics.watch_pool(self.pool)
+        self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
+        self.keys = KeyRing(config, self.store)
+        self.usage = UsageLedger(self.store)
+        self.limiter = RateLimiter(self.usage)
+        self.queue = AdmissionQueue(self.pool, config.queue.max_size, self.metrics)
+        self.client = UpstreamClient(config.timeouts)
+        self.health = HealthProber(self.pool, self.client, config.health)
+        self.router = router if router is not None else LeastOutstandingRouter(self.pool)
+
+    async def start(self) -> None:
+        await self.client.start()
+        await self.usage.start()
+        await self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.usage.stop()
+        await self.client.close()
+        if self.store is not None:
+            self.store.close()
+
+    # --- the internal API --------------------------------------------------------------------
+
+    def authenticate(self, authorization_header: str | None) -> Principal:
+        return self.keys.authenticate(authorization_header)
+
+    async def dispatch(
+        self,
+        principal: Principal,
+        endpoint: str,
+        body: dict,
+        *,
+        priority: int | None = None,
+        deadline_s: float | None = None,
+        client_region: str | None = None,
+        session_id: str | None = None,
+        is_background: bool = False,
+        raw_body: bytes | None = None,
+    ) -> UpstreamResult:
+        """`raw_body`: the request's bytes when the caller has them, forwarded as-is when unchanged."""
+        arrival = time.monotonic()
+        if endpoint not in ENDPOINTS:
+            raise GatewayError(404, f"Unknown endpoint {endpoint!r}.", code="unknown_url")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("You must provide a model parameter.", param="model")
+        if model not in self.config.models:
+            raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        policy = principal.policy
+        if not policy.allows_model(model):
+            self.metrics.requests.labels(model, principal.name, "", "403").inc()
+            raise GatewayError(
+                403, f"API key {principal.name!r} may not use model `{model}`.", "permission_error",
+                "model_not_allowed", "model",
+            )  # fmt: skip
+        ctx = RequestContext(
+            model=model,
+            endpoint=endpoint,
+            body=body,
+            key_id=principal.key_id,
+            priority=self._tier(principal, priority, is_background),
+            client_region=client_region or self.config.listener_region,
+            session_id=session_id or (body.get("user") if isinstance(body.get("user"), str) else None),
+            is_background=is_background,
+        )
+        if deadline_s is None:
+            deadline_ms = policy.default_deadline_ms or self.config.queue.default_deadline_ms
+            deadline_s = deadline_ms / 1000
+        try:
+            admission = self.limiter.admit(principal, self._estimate_tokens(ctx))
+        except GatewayError as exc:
+            self.metrics.rate_limited.labels(principal.name, exc.type).inc()
+            self.metrics.requests.labels(model, principal.name, "", str(exc.status)).inc()
+            raise
+        try:
+            return await self._forward(ctx, principal, admission, arrival, arrival + deadline_s, raw_body)
+        except BaseException as exc:
+            self.limiter.settle(admission, None)
+            status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
+            self.metrics.requests.labels(model, principal.name, "", status).inc()
+            raise
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _tier(self, principal: Principal, requested: int | None, is_background: bool) -> int:
+        if is_background:
+            return BACKGROUND_PRIORITY
+        if requested is None:
+            return principal.policy.priority
+        return min(max(requested, 0), principal.policy.highest_priority)
+
+    def _estimate_tokens(self, ctx: RequestContext) -> int:
+        body = ctx.body
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            max_tokens = self.config.limits.default_max_tokens
+        choices = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
+        return len(ctx.prompt_text) // 4 + max_tokens * choices
+
+    def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
+        if not any(replica.id not in exclude for replica in self.pool.healthy(ctx.model)):
+            raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
+        replica = self.router.select(ctx.model, ctx, exclude)
+        return replica if replica is not None and replica.has_capacity else None
+
+    def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
+        body = ctx.body
+        if replica.upstream_model == ctx.model and not force_usage and raw_body is not None:
+            return raw_body
+        body = {**body, "model": replica.upstream_model}
+        if force_usage:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return orjson.dumps(body)
+
+    async def _forward(
+        self,
+        ctx: RequestContext,
+        principal: Principal,
+        admission: Admission,
+        arrival: float,
+        deadline: float,
+        raw_body: bytes | None,
+    ) -> UpstreamResult:
+        stream = ctx.body.get("stream") is True
+        stream_options = ctx.body.get("stream_options")
+        client_wants_usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        # Streams always ask the replica for usage (to correct the key's token count) and drop that
+        # extra chunk when the client did not ask for it.
+        force_usage = stream and not client_wants_usage
+        routing_policy = self.config.models[ctx.model].routing.policy
+        max_attempts = self.config.failover.max_attempts
+        exclude: set[str] = set()
+        last_failure: UpstreamFailure | None = None
+        for attempt in range(max_attempts):
+            ctx.attempt = attempt
+            try:
+                replica = await self.queue.acquire(
+                    ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude)
+                )
+            except GatewayError:
+                if last_failure is not None:
+                    break  # no other replica to fail over to: report the replica's failure
+                raise
+            self.metrics.routing_decisions.labels(ctx.model, routing_policy, replica.id).inc()
+            response: aiohttp.ClientResponse | None = None
+            try:
+                response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))
+                if response.status >= 500:
+                    body = await read_body(response)
+                    raise UpstreamFailure(
+                        f"http_{response.status}", f"HTTP {response.status}", False, response.status, body
+                    )
+                if not stream or response.status != 200:
+                    body = await read_body(response)
+                    result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
+                    self.pool.mark_success(replica)
+                    self.metrics.ttft.labels(ctx.model).observe(time.monotonic() - arrival)
+                    self._finish(ctx, principal, admission, arrival, result, "ok", result.usage)
+                    return result
+                parser = SSEParser()
+                first_events = await read_first_events(response, parser)
+            except UpstreamFailure as failure:
+                if response is not None:
+                    response.close()
+                self.pool.release(replica)
+                self.pool.mark_failure(replica, failure.reason, eject_now=failure.eject_now)
+                exclude.add(replica.id)
+                last_failure = failure
+                if attempt + 1 < max_attempts:
+                    self.metrics.retries.labels(ctx.model, failure.reason).inc()
+                continue
+            except BaseException:
+                if response is not None:
+                    response.close()
+                self.pool.release(replica)
+                raise
+            self.pool.mark_success(replica)
+            self.metrics.ttft.labels(ctx.model).observe(time.monotonic() - arrival)
+            return UpstreamResult(
+                replica,
+                200,
+                self._headers(response, admission),
+                response=response,
+                parser=parser,
+                pending=first_events,
+                strip_usage_chunk=force_usage,
+                finisher=lambda result, outcome, usage: self._finish(
+                    ctx, principal, admission, arrival, result, outcome, usage
+                ),
+            )
+        assert last_failure is not None
+        tried = len(exclude)
+        raise GatewayError(
+            502,
+            f"Model `{ctx.model}`: {tried} replica(s) failed before responding (last: {last_failure.detail}).",
+            "server_error",
+            "upstream_error",
+        )
+
+    def _headers(self, response: aiohttp.ClientResponse, admission: Admission) -> dict[str, str]:
+        headers = self.limiter.headers(admission.limits)
+        headers["content-type"] = response.headers.get("content-type", "application/json")
+        return headers
+
+    def _finish(
+        self,
+        ctx: RequestContext,
+        principal: Principal,
+        admission: Admission,
+        arrival: float,
+        result: UpstreamResult,
+        outcome: str,
+        usage: dict | None,
+    ) -> None:
+        """Once per dispatched request that reached a replica: free its slot, settle limits, account."""
+        replica = result.replica
+        if result.stream and outcome == "error" and result.failure is not None:
+            self.pool.mark_failure(replica, result.failure.reason, eject_now=result.failure.eject_now)
+        self.pool.release(replica)
+        prompt = completion = 0
+        if usage is not None:
+            prompt = int(usage.get("prompt_tokens") or 0)
+            completion = int(usage.get("completion_tokens") or 0)
+            self.metrics.tokens.labels(principal.name, "prompt").inc(prompt)
+            self.metrics.tokens.labels(principal.name, "completion").inc(completion)
+        self.usage.record(principal.key_id, prompt, completion)
+        self.limiter.settle(admission, None if usage is None else prompt + completion)
+        status = str(result.status) if outcome == "ok" else f"stream_{outcome}"
+        self.metrics.requests.labels(ctx.model, principal.name, replica.id, status).inc()
+        self.metrics.e2e.labels(ctx.model).observe(time.monotonic() - arrival)

@@ -1,0 +1,239 @@
+"""Talking to replicas: one pooled HTTP client, the classification of upstream failures (retryable
+before the first byte or not), and `UpstreamResult`, the response handed to every protocol.
+
+Streams are passed through event by event as the replica produces them (never buffered); a
+failure after the first event ends the stream with an error event, never a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import orjson
+
+from ember.gateway.config import TimeoutsConfig
+from ember.gateway.replicas import Replica
+
+DONE = b"[DONE]"
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+class UpstreamFailure(Exception):
+    """The replica failed before anything reached the client: the request may go to another one.
+    `eject_now`: the failure shows the replica is unreachable (passive ejection)."""
+
+    def __init__(self, reason: str, detail: str, eject_now: bool, status: int | None = None, body: bytes = b""):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.eject_now = eject_now
+        self.status = status
+        self.body = body
+
+
+def classify(exc: BaseException) -> UpstreamFailure:
+    """Map a client exception to a failure with a short reason (a metrics label)."""
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionResetError):
+        return UpstreamFailure("disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return UpstreamFailure("disconnected", f"response cut short: {exc}", eject_now=True)
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamFailure("timeout", "timed out waiting for the replica", eject_now=False)
+    return UpstreamFailure("error", f"{type(exc).__name__}: {exc}", eject_now=False)
+
+
+class UpstreamClient:
+    """One long-lived connection pool to all replicas."""
+
+    def __init__(self, timeouts: TimeoutsConfig):
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.read_s
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("UpstreamClient.start() was not awaited")
+        return self._session
+
+    async def post(self, replica: Replica, endpoint: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send the request; response headers received. Raises UpstreamFailure."""
+        try:
+            return await self.session.post(f"{replica.url}/v1/{endpoint}", data=body, headers=JSON_HEADERS)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise classify(exc) from None
+
+
+class SSEParser:
+    """Incremental Server-Sent Events parser: feed bytes, get the `data` payload of each complete event."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        *events, self._buffer = buffer.split(b"\n\n")
+        payloads = []
+        for event in events:
+            data = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                payloads.append(b"\n".join(data))
+        return payloads
+
+
+def usage_of(payload: bytes) -> dict | None:
+    """The `usage` object of a response body or stream chunk, parsed only when one is present."""
+    if b'"usage"' not in payload:
+        return None
+    try:
+        usage = orjson.loads(payload).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def stream_error_payload(message: str) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_stream_error"}}
+    )
+
+
+Finisher = Callable[["UpstreamResult", str, "dict | None"], None]
+
+
+class UpstreamResult:
+    """A replica's answer. Non-streamed: `status`, `headers`, `body`/`json()`, already complete.
+    Streamed: `async for payload in events()` yields each SSE `data` payload (bytes, without the
+    `data: ` framing and without the final `[DONE]`); a failure mid-stream yields one OpenAI-shaped
+    error payload and ends. Always `await aclose()` (idempotent) to release the replica."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        status: int,
+        headers: dict[str, str],
+        *,
+        body: bytes = b"",
+        response: aiohttp.ClientResponse | None = None,
+        parser: SSEParser | None = None,
+        pending: list[bytes] | None = None,
+        strip_usage_chunk: bool = False,
+        finisher: Finisher | None = None,
+    ):
+        self.replica = replica
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.stream = response is not None
+        self._response = response
+        self._parser = parser
+        self._pending = pending or []
+        self._strip_usage_chunk = strip_usage_chunk
+        self._finisher = finisher
+        self.usage: dict | None = None if response is not None else usage_of(body)
+        self.failure: UpstreamFailure | None = None
+
+    def json(self) -> dict:
+        return orjson.loads(self.body)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        if self._response is None:
+            raise RuntimeError("events() is only for streamed results; use json()")
+        outcome = "error"
+        try:
+            pending, self._pending = self._pending, []
+            for payload in pending:
+                if payload == DONE:
+                    outcome = "ok"
+                    return
+                if self._keep(payload):
+                    yield payload
+            content = self._response.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    self.failure = classify(exc)
+                    yield stream_error_payload(f"The replica failed mid-stream ({self.failure.detail}).")
+                    return
+                if not chunk:
+                    self.failure = UpstreamFailure("disconnected", "stream ended without [DONE]", eject_now=False)
+                    yield stream_error_payload("The replica closed the stream before it was complete.")
+                    return
+                for payload in self._parser.feed(chunk):
+                    if payload == DONE:
+                        outcome = "ok"
+                        return
+                    if self._keep(payload):
+                        yield payload
+        finally:
+            self._finish(outcome)
+
+    def _keep(self, payload: bytes) -> bool:
+        """Record usage; drop the usage-only chunk the gateway asked for when the client did not."""
+        usage = usage_of(payload)
+        if usage is None:
+            return True
+        self.usage = usage
+        return not (self._strip_usage_chunk and b'"choices":[]' in payload.replace(b" ", b""))
+
+    async def aclose(self) -> None:
+        self._finish("cancelled")
+
+    def _finish(self, outcome: str) -> None:
+        if self._response is not None:
+            if outcome == "ok":
+                self._response.release()  # the connection goes back to the pool
+            else:
+                self._response.close()  # aborts the replica's generation (it sees the disconnect)
+        finisher, self._finisher = self._finisher, None
+        if finisher is not None:
+            finisher(self, outcome, self.usage)
+
+
+async def read_first_events(response: aiohttp.ClientResponse, parser: SSEParser) -> list[bytes]:
+    """Read until at least one complete event arrives (still retryable until it does)."""
+    while True:
+        try:
+            chunk = await response.content.readany()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise classify(exc) from None
+        if not chunk:
+            raise UpstreamFailure("disconnected", "stream ended before its first event", eject_now=False)
+        payloads = parser.feed(chunk)
+        if payloads:
+            return payloads
+
+
+async def read_body(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise classify(exc) from None
+    finally:
+        response.release()
+

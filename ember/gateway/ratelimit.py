@@ -1,0 +1,160 @@
+"""Per-key limits: token buckets for requests/min and tokens/min, max concurrent requests and the
+lifetime token budget. Over a limit -> 429 with `Retry-After` and OpenAI's `x-ratelimit-*` headers.
+
+Tokens are estimated at admission (prompt characters / 4 + max_tokens) and corrected from the
+response's `usage` once it is known, so a key pays for what it actually used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ember.gateway.errors import GatewayError
+from ember.gateway.keys import Principal
+from ember.gateway.usage import UsageLedger
+
+
+class TokenBucket:
+    """Holds up to `capacity` tokens and refills `capacity` per `period_s`. The level may go below
+    zero when a correction charges more than was estimated: that debt delays the next admission."""
+
+    __slots__ = ("capacity", "rate", "level", "updated")
+
+    def __init__(self, capacity: float, period_s: float = 60.0):
+        self.capacity = capacity
+        self.rate = capacity / period_s
+        self.level = capacity
+        self.updated = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until `amount` tokens are available (0 when they are now)."""
+        self._refill(now)
+        missing = amount - self.level
+        return 0.0 if missing <= 0 else missing / self.rate
+
+    def take(self, amount: float) -> None:
+        self.level -= amount
+
+    def reset_s(self, now: float) -> float:
+        """Seconds until the bucket is full again."""
+        self._refill(now)
+        return (self.capacity - self.level) / self.rate
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format: '20ms', '1s', '6m0s'."""
+    if seconds < 1:
+        return f"{max(math.ceil(seconds * 1000), 0)}ms"
+    minutes, rest = divmod(seconds, 60)
+    rest_text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{rest_text}" if minutes else rest_text
+
+
+class KeyLimits:
+    __slots__ = ("requests", "tokens", "in_flight")
+
+    def __init__(self, principal: Principal):
+        policy = principal.policy
+        self.requests = TokenBucket(policy.rpm) if policy.rpm else None
+        self.tokens = TokenBucket(policy.tpm) if policy.tpm else None
+        self.in_flight = 0
+
+
+@dataclass(slots=True)
+class Admission:
+    """One admitted request's claim on its key's limits; `settle` it exactly once."""
+
+    principal: Principal
+    limits: KeyLimits
+    estimated_tokens: int
+
+
+class RateLimiter:
+    def __init__(self, usage: UsageLedger):
+        self.usage = usage
+        self._limits: dict[str, KeyLimits] = {}
+
+    def _limits_for(self, principal: Principal) -> KeyLimits:
+        limits = self._limits.get(principal.key_id)
+        if limits is None:
+            limits = self._limits[principal.key_id] = KeyLimits(principal)
+        return limits
+
+    def admit(self, principal: Principal, estimated_tokens: int) -> Admission:
+        policy = principal.policy
+        limits = self._limits_for(principal)
+        now = time.monotonic()
+        if policy.token_budget is not None and self.usage.total_tokens(principal.key_id) >= policy.token_budget:
+            raise GatewayError(
+                429,
+                f"API key {principal.name!r} has used its token budget of {policy.token_budget} tokens.",
+                "insufficient_quota",
+                "insufficient_quota",
+            )
+        if policy.max_concurrent is not None and limits.in_flight >= policy.max_concurrent:
+            raise GatewayError(
+                429,
+                f"Too many concurrent requests for API key {principal.name!r}: limit {policy.max_concurrent}.",
+                "requests",
+                "concurrency_limit_exceeded",
+                headers={"retry-after": "1"},
+            )
+        request_wait = limits.requests.wait_for(1, now) if limits.requests else 0.0
+        token_wait = limits.tokens.wait_for(estimated_tokens, now) if limits.tokens else 0.0
+        if limits.tokens is not None and estimated_tokens > limits.tokens.capacity:
+            raise GatewayError(
+                429,
+                f"Request too large: about {estimated_tokens} tokens (prompt + max_tokens) but the key's limit "
+                f"is {policy.tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
+                "tokens",
+                "rate_limit_exceeded",
+                headers=self.headers(limits, now),
+            )
+        if request_wait > 0 or token_wait > 0:
+            wait = max(request_wait, token_wait)
+            which, limit = ("requests", policy.rpm) if request_wait >= token_wait else ("tokens", policy.tpm)
+            headers = self.headers(limits, now)
+            headers["retry-after"] = str(max(1, math.ceil(wait)))
+            headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+            raise GatewayError(
+                429,
+                f"Rate limit reached for API key {principal.name!r} on {which} per min: limit {limit}. "
+                f"Please try again in {format_duration(wait)}.",
+                which,
+                "rate_limit_exceeded",
+                headers=headers,
+            )
+        if limits.requests:
+            limits.requests.take(1)
+        if limits.tokens:
+            limits.tokens.take(estimated_tokens)
+        limits.in_flight += 1
+        return Admission(principal, limits, estimated_tokens)
+
+    def settle(self, admission: Admission, used_tokens: int | None) -> None:
+        """Release the concurrency slot and replace the token estimate by what was used
+        (None: unknown, e.g. the request failed before any usage was reported -> keep the estimate)."""
+        admission.limits.in_flight -= 1
+        if admission.limits.tokens is not None and used_tokens is not None:
+            admission.limits.tokens.take(used_tokens - admission.estimated_tokens)
+
+    def headers(self, limits: KeyLimits, now: float | None = None) -> dict[str, str]:
+        now = time.monotonic() if now is None else now
+        headers: dict[str, str] = {}
+        if limits.requests is not None:
+            bucket = limits.requests
+            headers["x-ratelimit-limit-requests"] = str(int(bucket.capacity))
+            headers["x-ratelimit-remaining-requests"] = str(max(int(bucket.level), 0))
+            headers["x-ratelimit-reset-requests"] = format_duration(bucket.reset_s(now))
+        if limits.tokens is not None:
+            bucket = limits.tokens
+            headers["x-ratelimit-limit-tokens"] = str(int(bucket.capacity))
+            headers["x-ratelimit-remaining-tokens"] = str(max(int(bucket.level), 0))
+            headers["x-ratelimit-reset-tokens"] = format_duration(bucket.reset_s(now))
+        return headers
