@@ -1,0 +1,103 @@
+"""What the async-jobs, Batch API routes share: the job store, the worker pool and the webhook sender,
+wired to the gateway's dispatcher. The gateway app creates one, starts it in its lifespan and stops it
+on shutdown."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from ember.gateway.config import KeyPolicy
+from ember.gateway.errors import GatewayError
+from ember.gateway.jobs.config import AsyncConfig
+from ember.gateway.jobs.store import Job, JobStore
+from ember.gateway.jobs.webhooks import WebhookSender
+from ember.gateway.jobs.worker import JobWorkerPool
+from ember.gateway.keys import Principal
+
+# Endpoints jobs may call, as the Batch API names them -> as the dispatcher names them.
+ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+
+
+def owner_of(principal: Principal) -> dict[str, Any]:
+    return {"key_id": principal.key_id, "name": principal.name, "policy": principal.policy.model_dump()}
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+
+def not_found(kind: str, object_id: str) -> GatewayError:
+    return GatewayError(404, f"No {kind} found with id '{object_id}'.", "invalid_request_error", "not_found", "id")
+
+
+class JobsRuntime:
+    def __init__(self, dispatcher: Any, config: AsyncConfig, base_dir: Path | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.config = config
+        self.store = JobStore(config.store_path(base_dir))
+        self.webhooks = WebhookSender(self.store, config.webhooks)
+        self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs)
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.webhooks.start()
+        await self.workers.start()
+
+    async def stop(self) -> None:
+        await self.workers.stop()
+        await self.webhooks.stop()
+        await self.store.close()
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        return self.dispatcher.authenticate(authorization)
+
+    def principal_for(self, job: Job) -> Principal:
+        """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
+        owner = job.owner
+        keys = getattr(self.dispatcher, "keys", None)
+        store = getattr(keys, "store", None)
+        if store is not None and not owner["key_id"].startswith("inline:"):
+            try:
+                record = store.get(owner["key_id"])
+            except Exception:  # noqa: BLE001 - an unknown key is treated like a revoked one
+                record = None
+            if record is None or record.revoked_at is not None:
+                raise GatewayError(
+                    401, "The API key that submitted this job was revoked.", "invalid_request_error",
+                    "invalid_api_key",
+                )
+            return Principal(record.id, record.name, record.policy)
+        return Principal(owner["key_id"], owner["name"], KeyPolicy.model_validate(owner["policy"]))
+
+    async def _dispatch_job(self, job: Job, deadline_s: float | None) -> tuple[int, Any]:
+        principal = self.principal_for(job)
+        result = await self.dispatcher.dispatch(
+            principal, ENDPOINTS[job.endpoint], job.body, deadline_s=deadline_s, is_background=True
+        )
+        try:
+            return result.status, result.json()
+        finally:
+            await result.aclose()
+
+    def queue_limit_s(self, requested: Any) -> float:
+        """Validated max_time_in_queue_seconds (GatewayError 400 when out of range)."""
+        jobs = self.config.jobs
+        if requested is None:
+            return jobs.default_max_time_in_queue_s
+        if isinstance(requested, bool) or not isinstance(requested, int | float) or not (
+            0 < requested <= jobs.max_time_in_queue_limit_s
+        ):
+            raise GatewayError(
+                400,
+                f"max_time_in_queue_seconds must be a number in (0, {jobs.max_time_in_queue_limit_s:g}].",
+                param="max_time_in_queue_seconds",
+            )
+        return float(requested)
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
