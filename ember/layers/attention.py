@@ -1,0 +1,184 @@
+"""Paged attention over a block-structured KV cache, with per-step metadata shared by every layer.
+
+Layout of one layer's cache: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. A token at
+position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+
+Each step's sequences are split into groups (single-token decodes, then multi-token prefill chunks). A group
+runs as ONE scaled_dot_product_attention call: its sequences' K/V are gathered block-wise into a padded
+[B, kv_heads, L, head_dim] batch with one index_select (the head-major layout makes every (sequence, head)
+slice contiguous, as SDPA wants), and a precomputed additive mask hides padding and future tokens. Grouped-query
+attention folds the query heads sharing a KV head into the query-length axis, so no K/V is repeated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class SequenceSpan:
+    """What attention needs to know about one scheduled sequence."""
+
+    num_computed_tokens: int  # tokens already in the cache (the context before this step's tokens)
+    num_new_tokens: int  # tokens computed this step
+    block_table: list[int]
+
+
+@dataclass
+class AttentionGroup:
+    token_start: int  # the group's rows in the step's flat token batch: [token_start, token_end)
+    token_end: int
+    num_seqs: int
+    query_len: int  # longest query of the group; shorter ones are padded
+    query_index: torch.Tensor | None  # [B * query_len] rows of the flat batch; None when rows are exactly [B, Lq]
+    output_index: torch.Tensor | None  # real rows of the padded [B * query_len] output; None when no padding
+    block_ids: torch.Tensor  # [B * num_blocks] physical blocks to gather, padded with block 0 (masked)
+    kv_len: int  # keys attended per sequence after the gather (num_blocks * block_size, or exact for B == 1)
+    mask: torch.Tensor | None  # additive [B, 1, groups * query_len, kv_len]; None when every key is visible
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    spans: list[SequenceSpan],
+    block_size: int,
+    num_queries_per_kv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build once per step. `spans` are in flat-batch order; consecutive single-token spans form the decode
+    group and consecutive multi-token spans a prefill group (callers put decodes first)."""
+    slots = []
+    for span in spans:
+        positions = np.arange(span.num_computed_tokens, span.num_computed_tokens + span.num_new_tokens)
+        table = np.asarray(span.block_table, dtype=np.int64)
+        slots.append(table[positions // block_size] * block_size + positions % block_size)
+    slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
+
+    groups = []
+    start = 0
+    token_start = 0
+    while start < len(spans):
+        is_decode = spans[start].num_new_tokens == 1
+        end = start + 1
+        while end < len(spans) and (spans[end].num_new_tokens == 1) == is_decode:
+            end += 1
+        group = _build_group(spans[start:end], token_start, block_size, num_queries_per_kv, dtype, device)
+        groups.append(group)
+        token_start = group.token_end
+        start = end
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+
+
+def _build_group(
+    spans: list[SequenceSpan],
+    token_start: int,
+    block_size: int,
+    num_queries_per_kv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionGroup:
+    num_seqs = len(spans)
+    query_lens = np.array([s.num_new_tokens for s in spans])
+    computed = np.array([s.num_computed_tokens for s in spans])
+    context_lens = computed + query_lens
+    query_len = int(query_lens.max())
+    num_tokens = int(query_lens.sum())
+    num_blocks = int(-(-context_lens.max() // block_size))
+
+    block_ids = np.zeros((num_seqs, num_blocks), dtype=np.int64)
+    for row, span in enumerate(spans):
+        used = -(-int(context_lens[row]) // block_size)
+        block_ids[row, :used] = span.block_table[:used]
+    # One sequence needs no padding: attend to exactly its context (a strided view of the gathered blocks).
+    kv_len = int(context_lens[0]) if num_seqs == 1 else num_blocks * block_size
+
+    query_index = output_index = None
+    if not (query_lens == query_len).all():
+        offsets = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+        steps = np.arange(query_len)
+        # Padded query rows repeat the sequence's last real token; their outputs are dropped.
+        rows = offsets[:, None] + np.minimum(steps[None, :], query_lens[:, None] - 1)
+        query_index = torch.from_numpy(token_start + rows.reshape(-1)).to(device)
+        real = steps[None, :] < query_lens[:, None]
+        output_index = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device)
+
+    mask = None
+    if query_len > 1 or (context_lens != kv_len).any():
+        # Query i of a sequence sits at position computed + i and sees keys at positions <= its own.
+        query_positions = computed[:, None] + np.arange(query_len)[None, :]
+        visible = np.arange(kv_len)[None, None, :] <= query_positions[:, :, None]
+        additive = torch.zeros(visible.shape, dtype=dtype).masked_fill_(torch.from_numpy(~visible), float("-inf"))
+        mask = (
+            additive.unsqueeze(1)
+            .expand(num_seqs, num_queries_per_kv, query_len, kv_len)
+            .reshape(num_seqs, 1, num_queries_per_kv * query_len, kv_len)
+            .to(device)
+        )
+    return AttentionGroup(
+        token_start=token_start,
+        token_end=token_start + num_tokens,
+        num_seqs=num_seqs,
+        query_len=query_len,
+        query_index=query_index,
+        output_index=output_index,
+        block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
+        kv_len=kv_len,
+        mask=mask,
+    )
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_queries_per_kv = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] (strided views are fine) -> [T, heads * D].
+
+        Writes this step's K/V into their slots first, so every query also sees its own chunk's keys."""
+        kv_cache.view(2, self.num_kv_heads, -1, self.head_dim).index_copy_(
+            2, meta.slot_mapping, torch.stack((k, v)).transpose(1, 2)
+        )
+        outputs = [self._attend_group(q, kv_cache, group) for group in meta.groups]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        num_seqs, query_len = group.num_seqs, group.query_len
+        kv_heads, per_kv, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
+        if group.query_index is None:
+            q = q[group.token_start : group.token_end]
+        else:
+            q = q.index_select(0, group.query_index)
+        q = (
+            q.view(num_seqs, query_len, kv_heads, per_kv, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(num_seqs, kv_heads, per_kv * query_len, head_dim)
+        )
+        kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads, num_seqs, -1, head_dim)
+        kv = kv[:, :, :, : group.kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask)
+        out = (
+            out.view(num_seqs, kv_heads, per_kv, query_len, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(num_seqs * query_len, self.num_heads * head_dim)
+        )
+        return out if group.output_index is None else out.index_select(0, group.output_index)

@@ -1,0 +1,30 @@
+"""RMSNorm with an optional fused residual add (the pre-norm transformer's `x + residual` then norm)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.normalized_shape = (hidden_size,)
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        # Lower precision: normalize in float32, round, then scale (Hugging Face's exact rounding order),
+        # so greedy outputs do not drift from the reference implementation.
+        return F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype) * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (norm(x + residual), x + residual); without a residual, x itself is the new residual."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x

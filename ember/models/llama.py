@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) in plain PyTorch.
+
+q/k/v and gate/up projections are fused into one matmul each at load time; every token of an engine step goes
+through one forward over a flat [T] batch, attention reading K/V through the paged cache."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.errors import ModelLoadError
+from ember.layers.activation import SiluAndMul
+from ember.layers.attention import AttentionMetadata, PagedAttention
+from ember.layers.rmsnorm import RMSNorm
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from ember.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qk_size = q_size + kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        # Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k rotate together: one set of elementwise ops for both.
+        qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Built eagerly on the real device even when the module skeleton is built on "meta".
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, config.torch_dtype, device)
+        self.device = torch.device(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
+        cos, sin = self.rotary(positions)
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata, kv_cache)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (the matmul runs in the model dtype, as in
+        Hugging Face, so greedy choices match it)."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face-named tensors; fuse q/k/v and gate/up; tie lm_head to the embedding if configured.
+
+        Parameters are (re)created on the model's device in config.torch_dtype, so the module may have been
+        built on the "meta" device."""
+        config = self.config
+        dtype, device = config.torch_dtype, self.device
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                tensor = state_dict[name]
+            except KeyError:
+                raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
+            return tensor.to(device=device, dtype=dtype)
+
+        def assign(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+            expected = getattr(module, attr).shape
+            if tensor.shape != expected:
+                raise ModelLoadError(f"tensor for {attr} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+            setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
+
+        assign(self.embed_tokens, "weight", take("model.embed_tokens.weight"))
+        assign(self.norm, "weight", take("model.norm.weight"))
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            assign(self.lm_head, "weight", take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [prefix + f"self_attn.{p}_proj" for p in "qkv"]
+            assign(attn.qkv_proj, "weight", torch.cat([take(p + ".weight") for p in qkv]))
+            if attn.qkv_proj.bias is not None:
+                assign(attn.qkv_proj, "bias", torch.cat([take(p + ".bias") for p in qkv]))
+            assign(attn.o_proj, "weight", take(prefix + "self_attn.o_proj.weight"))
+            if attn.o_proj.bias is not None:
+                assign(attn.o_proj, "bias", take(prefix + "self_attn.o_proj.bias"))
+            gate_up = [take(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up")]
+            assign(mlp.gate_up_proj, "weight", torch.cat(gate_up))
+            assign(mlp.down_proj, "weight", take(prefix + "mlp.down_proj.weight"))
+            assign(layer.input_layernorm, "weight", take(prefix + "input_layernorm.weight"))
+            assign(layer.post_attention_layernorm, "weight", take(prefix + "post_attention_layernorm.weight"))
+        still_meta = [name for name, p in self.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ModelLoadError(f"parameters left unloaded: {', '.join(still_meta[:5])}")
