@@ -5,8 +5,6 @@ through one forward over a flat [T] batch, attention reading K/V through the pag
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
