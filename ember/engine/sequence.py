@@ -49,8 +49,8 @@ class Sequence:
         "request_id", "seq_id", "index", "priority", "arrival_time", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_table", "params", "generator", "status",
         # Engine bookkeeping below; the model runner reads only the fields above.
-        "block_hashes", "num_cached_tokens", "max_tokens", "stop_reason", "cumulative_logprob",
-        "logprobs", "num_preemptions", "error",
+        "block_hashes", "num_committed_blocks", "num_cached_tokens", "num_forks", "max_tokens",
+        "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions", "detokenizer",
     )
 
     def __init__(
@@ -77,15 +77,17 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
-        self.block_hashes: list[int] = []  # chained content hash of each full block of token_ids
+        self.block_hashes: list[bytes] = []  # chained content hash of each full block of token_ids
+        self.num_committed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
+        self.num_forks = 0  # siblings to fork from this sequence once its prompt is computed (n > 1)
         # The engine passes params.max_tokens capped by the room left in max_model_len.
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or sys.maxsize)
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
-        self.error: str | None = None
+        self.detokenizer = None  # IncrementalDetokenizer, set by the engine
 
     @property
     def num_tokens(self) -> int:
