@@ -39,7 +39,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ember.errors import EmberError
 
@@ -236,6 +244,12 @@ class GatewayConfig(_Strict):
     async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # The config file's folder: relative paths in any section (key store, job store) resolve against it.
+    _base_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> Path | None:
+        return self._base_dir
 
     @field_validator("admin_key_sha256")
     @classmethod
@@ -320,6 +334,7 @@ def parse_config(data: Any, source: str = "gateway config", base_dir: Path | Non
         config = config.model_copy(
             update={"keys": config.keys.model_copy(update={"store": (base_dir / store).resolve()})}
         )
+    config._base_dir = base_dir
     return config
 
 

@@ -1,0 +1,319 @@
+"""The gateway's HTTP application: `create_app(config) -> ASGI app`.
+
+The two proxy routes (/v1/chat/completions, /v1/completions) are the hot path and are served by a
+lean raw-ASGI handler (JSON parsed once with orjson, the body forwarded as received when possible,
+SSE written event by event). Everything else (/v1/models, /v1/usage, /health, /ready, /metrics,
+/admin/*, and routes that extensions such as async jobs add) is an ordinary FastAPI app behind it.
+Errors use OpenAI's shape everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.gateway.admin import build_admin_router
+from ember.gateway.config import GatewayConfig
+from ember.gateway.dispatch import Dispatcher
+from ember.gateway.errors import GatewayError, bad_request
+
+PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client went away while its request body was being read."""
+
+
+class GatewayExtension(Protocol):
+    """A feature mounted on the gateway (async jobs, Batch API, WebSocket, gRPC): its routes join the
+    FastAPI app and it starts/stops with the gateway."""
+
+    router: APIRouter
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+ExtensionFactory = Callable[[Dispatcher], GatewayExtension]
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+
+class GatewayApp:
+    """Raw ASGI entry: lifespan, the proxy routes, and delegation of everything else."""
+
+    def __init__(self, config: GatewayConfig, extension_factories: Sequence[ExtensionFactory] = ()):
+        self.config = config
+        self.dispatcher = Dispatcher(config)
+        self.extensions = [factory(self.dispatcher) for factory in extension_factories]
+        self.max_body_bytes = config.limits.max_body_bytes
+        self.api = build_api(self.dispatcher, self.extensions)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            endpoint = PROXY_ROUTES.get(scope["raw_path"] if scope.get("raw_path") else scope["path"].encode())
+            if endpoint is not None and scope["method"] == "POST":
+                await self._proxy(scope, receive, send, endpoint)
+                return
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        await self.api(scope, receive, send)
+
+    async def start(self) -> None:
+        await self.dispatcher.start()
+        for extension in self.extensions:
+            await extension.start()
+
+    async def stop(self) -> None:
+        for extension in reversed(self.extensions):
+            await extension.stop()
+        await self.dispatcher.stop()
+
+    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:  # noqa: BLE001 - reported to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- the hot path ---------------------------------------------------------------------------
+
+    async def _proxy(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
+        authorization = priority = deadline = region = session = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name.startswith(b"x-ember-"):
+                if name == b"x-ember-priority":
+                    priority = value
+                elif name == b"x-ember-deadline-ms":
+                    deadline = value
+                elif name == b"x-ember-region":
+                    region = value.decode("latin-1")
+                elif name == b"x-ember-session-id":
+                    session = value.decode("latin-1")
+        watcher: asyncio.Task | None = None
+        try:
+            principal = self.dispatcher.authenticate(authorization)
+            raw_body = await self._read_body(receive)
+            body = parse_json_object(raw_body)
+            task = asyncio.current_task()
+            watcher = asyncio.create_task(watch_disconnect(receive, task))
+            result = await self.dispatcher.dispatch(
+                principal,
+                endpoint,
+                body,
+                priority=parse_int_header(priority, "x-ember-priority"),
+                deadline_s=parse_deadline(deadline),
+                client_region=region,
+                session_id=session,
+                raw_body=raw_body,
+            )
+        except GatewayError as exc:
+            if watcher is not None:
+                watcher.cancel()
+            await send_error(send, exc)
+            return
+        except ClientDisconnected:
+            return
+        except asyncio.CancelledError:
+            if watcher is not None and watcher.done() and not watcher.cancelled():
+                asyncio.current_task().uncancel()  # the client left; nothing to answer
+                return
+            raise
+        headers = [(name.encode(), value.encode()) for name, value in result.headers.items()]
+        headers.append((b"x-ember-replica", result.replica.id.encode()))
+        try:
+            if not result.stream:
+                watcher.cancel()
+                await send({"type": "http.response.start", "status": result.status, "headers": headers})
+                await send({"type": "http.response.body", "body": result.body})
+                return
+            headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for payload in result.events():
+                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+            watcher.cancel()
+            await send({"type": "http.response.body", "body": DONE_FRAME})
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():
+                asyncio.current_task().uncancel()
+                return
+            raise
+        finally:
+            watcher.cancel()
+            await result.aclose()
+
+    async def _read_body(self, receive: Callable) -> bytes:
+        message = await receive()
+        body = message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+        chunks = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise GatewayError(
+                    413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
+                )
+        return b"".join(chunks)
+
+
+async def watch_disconnect(receive: Callable, task: asyncio.Task) -> None:
+    """Cancel `task` when the client disconnects (uvicorn answers receive() with http.disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+async def send_error(send: Callable, exc: GatewayError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers.extend((name.encode(), value.encode()) for name, value in exc.headers.items())
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": exc.to_json()})
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def parse_int_header(value: bytes | None, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise bad_request(f"Header {name} must be an integer, got {value.decode('latin-1')!r}.") from None
+
+
+def parse_deadline(value: bytes | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds > 0:
+        raise bad_request(
+            f"Header x-ember-deadline-ms must be a positive number of milliseconds, got {value.decode('latin-1')!r}."
+        )
+    return milliseconds / 1000
+
+
+# --- everything but the hot path -----------------------------------------------------------------
+
+
+def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) -> FastAPI:
+    api = FastAPI(title="Ember gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (
+            f"Unknown request URL: {request.method} {request.url.path}."
+            if exc.status_code == 404
+            else f"Method {request.method} is not allowed on {request.url.path}."
+            if exc.status_code == 405
+            else str(exc.detail)
+        )
+        return error_response(GatewayError(exc.status_code, message, code=code))
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        return error_response(bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param))
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready() -> JSONResponse:
+        models = {model: len(dispatcher.pool.healthy(model)) for model in dispatcher.pool.models}
+        is_ready = all(models.values())
+        return JSONResponse(
+            {"status": "ready" if is_ready else "not_ready", "healthy_replicas": models},
+            status_code=200 if is_ready else 503,
+        )
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(dispatcher.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        principal = dispatcher.authenticate(request.headers.get("authorization"))
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "ember-gateway"}
+            for name in dispatcher.config.models
+            if principal.policy.allows_model(name)
+        ]
+        return {"object": "list", "data": data}
+
+    @api.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        principal = dispatcher.authenticate(request.headers.get("authorization"))
+        totals = dispatcher.usage.snapshot(principal.key_id)
+        budget = principal.policy.token_budget
+        return {
+            "object": "usage",
+            "key": principal.name,
+            **totals,
+            "token_budget": budget,
+            "budget_remaining": None if budget is None else max(budget - totals["total_tokens"], 0),
+            "limits": principal.policy.model_dump(exclude={"models"}),
+        }
+
+    api.include_router(build_admin_router(dispatcher))
+    for extension in extensions:
+        api.include_router(extension.router)
+    return api
+
+
+def create_app(config: GatewayConfig, extensions: Sequence[ExtensionFactory] = ()) -> GatewayApp:
+    """The gateway as an ASGI app; `app.dispatcher` is its internal API (for tests and extensions)."""
+    return GatewayApp(config, extensions)
+
