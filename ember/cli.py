@@ -9,6 +9,7 @@ import sys
 
 # Modules under ember.commands, in the order `ember --help` lists them.
 COMMAND_MODULES = [
+    "bench",
 ]
 
 
