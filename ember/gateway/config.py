@@ -50,6 +50,7 @@ from pydantic import (
 )
 
 from ember.errors import EmberError
+from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 ROUTING_POLICIES = (
@@ -222,13 +223,6 @@ class QueueConfig(_Strict):
     default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
 
 
-class AsyncSettings(BaseModel):
-    """Async jobs, webhooks, Batch API, WebSocket and gRPC listeners: owned by that area, which
-    validates its own fields; unknown keys are kept so that section can evolve independently."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-
 class GatewayConfig(_Strict):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
@@ -241,7 +235,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
-    async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.

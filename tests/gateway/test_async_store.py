@@ -65,7 +65,9 @@ async def test_overdue_jobs_expire_and_webhooks_become_pending(store):
     assert [j.id for j in expired] == [job.id]
     stored = await store.get_job(job.id)
     assert (stored.status, stored.webhook_status, stored.error["code"]) == (
-        "expired", "pending", "max_time_in_queue_exceeded",
+        "expired",
+        "pending",
+        "max_time_in_queue_exceeded",
     )
     assert (await store.get_job(fresh.id)).status == "queued"
     assert [j.id for j in await store.jobs_with_pending_webhooks()] == [job.id]
@@ -101,7 +103,10 @@ async def test_recovery_after_a_crash_requeues_or_fails(tmp_path):
     assert (await store.get_job(retry.id)).status == "queued"
     failed = await store.get_job(exhausted.id)
     assert (failed.status, failed.attempts, failed.error["code"], failed.webhook_status) == (
-        "failed", 3, "interrupted", "pending",
+        "failed",
+        3,
+        "interrupted",
+        "pending",
     )
     assert (await store.get_job(waiting.id)).status == "queued"
     assert await store.count_by_status() == {"queued": 2, "failed": 1}

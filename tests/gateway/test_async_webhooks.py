@@ -114,7 +114,9 @@ async def test_guard_rejects_malformed_urls(url, message):
 
 
 async def test_guard_allowlist_by_cidr_and_host():
-    assert await TargetGuard(["127.0.0.0/8"]).resolve("http://127.0.0.1:9/x") == ipaddress.ip_address("127.0.0.1")
+    assert await TargetGuard(["127.0.0.0/8"]).resolve("http://127.0.0.1:9/x") == ipaddress.ip_address(
+        "127.0.0.1"
+    )
     assert await TargetGuard(["10.0.0.5"]).resolve("http://10.0.0.5/x") == ipaddress.ip_address("10.0.0.5")
     assert await TargetGuard(["localhost"]).resolve("http://localhost/x") in (
         ipaddress.ip_address("127.0.0.1"),
@@ -130,7 +132,9 @@ def test_pinned_target_keeps_host_header_and_sni():
         "https://hooks.example.com:8443/a?b=1", ipaddress.ip_address("93.184.216.34")
     )
     assert (url, host, extensions) == (
-        "https://93.184.216.34:8443/a?b=1", "hooks.example.com:8443", {"sni_hostname": "hooks.example.com"},
+        "https://93.184.216.34:8443/a?b=1",
+        "hooks.example.com:8443",
+        {"sni_hostname": "hooks.example.com"},
     )
     url, host, extensions = pinned_request_target("http://h.example/x", ipaddress.ip_address("2001:db8::1"))
     assert (url, host, extensions) == ("http://[2001:db8::1]/x", "h.example", {})
@@ -163,7 +167,13 @@ async def store(tmp_path):
 
 def config(**overrides) -> WebhooksConfig:
     return WebhooksConfig(
-        **{"allow": ["127.0.0.0/8"], "backoff_initial_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2, **overrides}
+        **{
+            "allow": ["127.0.0.0/8"],
+            "backoff_initial_s": 0.01,
+            "backoff_max_s": 0.05,
+            "timeout_s": 2,
+            **overrides,
+        }
     )
 
 

@@ -47,10 +47,16 @@ def validate_request_body(body: dict[str, Any], endpoint: str, allowed: Any) -> 
     if endpoint == "/v1/completions" and "prompt" not in body:
         raise bad_request("You must provide a prompt parameter.", param="prompt")
     if body.get("stream"):
-        raise bad_request("Async and batch requests cannot be streamed; leave 'stream' unset.", param="stream")
+        raise bad_request(
+            "Async and batch requests cannot be streamed; leave 'stream' unset.", param="stream"
+        )
     if not allowed(model):
         raise GatewayError(
-            403, f"This API key may not use model '{model}'.", "permission_denied", "model_not_allowed", "model"
+            403,
+            f"This API key may not use model '{model}'.",
+            "permission_denied",
+            "model_not_allowed",
+            "model",
         )
 
 
@@ -141,6 +147,8 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             principal = runtime.authenticate(request.headers.get("authorization"))
         except GatewayError as exc:
             return error_response(exc)
-        return JSONResponse({"object": "webhook.secret", "secret": runtime.webhooks.secret_for(principal.key_id)})
+        return JSONResponse(
+            {"object": "webhook.secret", "secret": runtime.webhooks.secret_for(principal.key_id)}
+        )
 
     return router

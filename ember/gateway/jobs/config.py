@@ -1,17 +1,17 @@
 """The `async:` section of the gateway YAML: async jobs, webhooks, the Batch API and the gRPC listener.
 
-    async:
-      store: jobs.db                  # SQLite job store (WAL); relative to the config file
-      jobs: {concurrency: 4, max_attempts: 3, default_max_time_in_queue_s: 600, result_ttl_s: 86400}
-      webhooks:
-        timeout_s: 10
-        max_attempts: 5               # first try included
-        backoff_initial_s: 1
-        backoff_max_s: 60
-        allow: [127.0.0.0/8, hooks.internal]   # private/loopback targets allowed despite the SSRF guard
-        signing_secret: whsec_...     # master secret; per-key secrets derive from it (default: generated, kept in the store)
-      batch: {max_file_bytes: 104857600, max_requests: 50000}
-      grpc: {port: 50051, host: 127.0.0.1}   # or `ember gateway --grpc-port`
+async:
+  store: jobs.db                  # SQLite job store (WAL); relative to the config file
+  jobs: {concurrency: 4, max_attempts: 3, default_max_time_in_queue_s: 600, result_ttl_s: 86400}
+  webhooks:
+    timeout_s: 10
+    max_attempts: 5               # first try included
+    backoff_initial_s: 1
+    backoff_max_s: 60
+    allow: [127.0.0.0/8, hooks.internal]   # private/loopback targets allowed despite the SSRF guard
+    signing_secret: whsec_...     # master secret; per-key secrets derive from it (default: generated, kept in the store)
+  batch: {max_file_bytes: 104857600, max_requests: 50000}
+  grpc: {port: 50051, host: 127.0.0.1}   # or `ember gateway --grpc-port`
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class BatchConfig(_Strict):
 
 
 class GrpcConfig(_Strict):
-    port: int | None = Field(default=None, ge=0, le=65535, description="Off unless set here or by --grpc-port")
+    port: int | None = Field(
+        default=None, ge=0, le=65535, description="Off unless set here or by --grpc-port"
+    )
     host: str = "127.0.0.1"
 
 

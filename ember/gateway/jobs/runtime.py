@@ -5,6 +5,7 @@ on shutdown."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ def error_response(exc: GatewayError) -> JSONResponse:
 
 
 def not_found(kind: str, object_id: str) -> GatewayError:
-    return GatewayError(404, f"No {kind} found with id '{object_id}'.", "invalid_request_error", "not_found", "id")
+    return GatewayError(
+        404, f"No {kind} found with id '{object_id}'.", "invalid_request_error", "not_found", "id"
+    )
 
 
 class JobsRuntime:
@@ -41,9 +44,13 @@ class JobsRuntime:
         self.store = JobStore(config.store_path(base_dir))
         self.webhooks = WebhookSender(self.store, config.webhooks)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs)
+        # Run once the store is open, before the workers start (e.g. closing batches a crash left open).
+        self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
 
     async def start(self) -> None:
         await self.store.open()
+        for hook in self.startup_hooks:
+            await hook()
         await self.webhooks.start()
         await self.workers.start()
 
@@ -67,7 +74,9 @@ class JobsRuntime:
                 record = None
             if record is None or record.revoked_at is not None:
                 raise GatewayError(
-                    401, "The API key that submitted this job was revoked.", "invalid_request_error",
+                    401,
+                    "The API key that submitted this job was revoked.",
+                    "invalid_request_error",
                     "invalid_api_key",
                 )
             return Principal(record.id, record.name, record.policy)
@@ -88,8 +97,10 @@ class JobsRuntime:
         jobs = self.config.jobs
         if requested is None:
             return jobs.default_max_time_in_queue_s
-        if isinstance(requested, bool) or not isinstance(requested, int | float) or not (
-            0 < requested <= jobs.max_time_in_queue_limit_s
+        if (
+            isinstance(requested, bool)
+            or not isinstance(requested, int | float)
+            or not (0 < requested <= jobs.max_time_in_queue_limit_s)
         ):
             raise GatewayError(
                 400,

@@ -513,7 +513,9 @@ class JobStore:
 
     async def webhook_attempt_count(self, job_id: str) -> int:
         def count(conn: sqlite3.Connection) -> int:
-            return conn.execute("SELECT COUNT(*) FROM webhook_attempts WHERE job_id = ?", (job_id,)).fetchone()[0]
+            return conn.execute(
+                "SELECT COUNT(*) FROM webhook_attempts WHERE job_id = ?", (job_id,)
+            ).fetchone()[0]
 
         return await self.transaction(count)
 
@@ -543,7 +545,9 @@ class JobStore:
                     if file_id is not None:
                         conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
                 conn.execute("DELETE FROM batches WHERE id = ?", (batch["id"],))
-            conn.executemany("DELETE FROM webhook_attempts WHERE job_id = ?", [(job_id,) for job_id in doomed])
+            conn.executemany(
+                "DELETE FROM webhook_attempts WHERE job_id = ?", [(job_id,) for job_id in doomed]
+            )
             conn.executemany("DELETE FROM jobs WHERE id = ?", [(job_id,) for job_id in doomed])
             return len(doomed) + len(batches)
 

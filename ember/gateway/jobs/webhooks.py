@@ -52,7 +52,9 @@ def secret_bytes(secret: str) -> bytes:
 
 def derive_key_secret(master_secret: str, key_id: str) -> str:
     """The per-key signing secret: HMAC(master, key id), so it needs no storage of its own."""
-    derived = hmac.new(secret_bytes(master_secret), b"ember-webhook:" + key_id.encode(), hashlib.sha256).digest()
+    derived = hmac.new(
+        secret_bytes(master_secret), b"ember-webhook:" + key_id.encode(), hashlib.sha256
+    ).digest()
     return "whsec_" + base64.b64encode(derived).decode()
 
 
@@ -174,7 +176,9 @@ class WebhookSender:
     async def start(self) -> None:
         if not self.master_secret:
             self.master_secret = await self.store.meta_value("webhook_master_secret", generate_secret)
-        self._client = httpx.AsyncClient(timeout=self.config.timeout_s, follow_redirects=False, trust_env=False)
+        self._client = httpx.AsyncClient(
+            timeout=self.config.timeout_s, follow_redirects=False, trust_env=False
+        )
         for job in await self.store.jobs_with_pending_webhooks():
             self.submit(job)
 

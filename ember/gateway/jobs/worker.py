@@ -25,8 +25,9 @@ from ember.gateway.jobs.webhooks import WebhookSender
 
 logger = logging.getLogger("ember.gateway.jobs")
 
-# Upstream or gateway answers worth another attempt: overload, unavailability, replica failures.
-RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Upstream or gateway answers worth another attempt: overload, unavailability, replica failures, and a
+# gateway queue deadline on a re-run (on the first run, 408 means the job's time in queue ran out).
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 RETRY_DELAY_S = 1.0
 CLEANUP_INTERVAL_S = 60.0
 
@@ -64,7 +65,9 @@ class JobWorkerPool:
     async def start(self) -> None:
         requeued, failed = await self.store.recover_interrupted(self.config.max_attempts)
         if requeued or failed:
-            logger.warning("recovered jobs interrupted by a restart: %d re-queued, %d failed", requeued, failed)
+            logger.warning(
+                "recovered jobs interrupted by a restart: %d re-queued, %d failed", requeued, failed
+            )
         self._workers = [
             asyncio.create_task(self._work(), name=f"ember-job-worker-{index}")
             for index in range(self.config.concurrency)
@@ -113,7 +116,8 @@ class JobWorkerPool:
                 self._running.pop(job.id, None)
 
     async def _run(self, job: Job) -> None:
-        deadline_s = None
+        # The wait for replica capacity counts as time in queue; a re-run gets the default allowance.
+        deadline_s = self.config.default_max_time_in_queue_s
         if job.attempts == 1:
             deadline_s = max(job.created_at + job.max_time_in_queue_s - time.time(), 0.001)
         try:
@@ -123,14 +127,25 @@ class JobWorkerPool:
         except GatewayError as exc:
             status, body = exc.status, exc.to_dict()
             if exc.status == 408 and job.attempts == 1:
-                await self._finish(job, "expired", status, None, error_body(
-                    408, "The job was not started within its max_time_in_queue_seconds.", "expired",
-                    "max_time_in_queue_exceeded",
-                ))
+                await self._finish(
+                    job,
+                    "expired",
+                    status,
+                    None,
+                    error_body(
+                        408,
+                        "The job was not started within its max_time_in_queue_seconds.",
+                        "expired",
+                        "max_time_in_queue_exceeded",
+                    ),
+                )
                 return
         except Exception as exc:  # noqa: BLE001 - a job fails with a reason, it never kills its worker
             logger.exception("job %s: dispatch raised", job.id)
-            status, body = 502, {"error": error_body(502, f"{type(exc).__name__}: {exc}", "server_error", None)}
+            status, body = (
+                502,
+                {"error": error_body(502, f"{type(exc).__name__}: {exc}", "server_error", None)},
+            )
         if 200 <= status < 300:
             await self._finish(job, "succeeded", status, body, None)
             return
@@ -144,7 +159,11 @@ class JobWorkerPool:
 
     async def _finish(self, job: Job, status: str, status_code: int, result: Any, error: Any) -> None:
         finished = await self.store.finish_job(
-            job.id, status, status_code=status_code, result=result, error=error  # type: ignore[arg-type]
+            job.id,
+            status,
+            status_code=status_code,
+            result=result,
+            error=error,  # type: ignore[arg-type]
         )
         if finished is not None:
             await self._announce(finished)
