@@ -10,9 +10,6 @@ import sys
 # Modules under ember.commands, in the order `ember --help` lists them.
 COMMAND_MODULES = [
     "generate",
-    "serve",
-    "gateway",
-    "keys",
     "bench",
 ]
 
