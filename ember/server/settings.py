@@ -1,0 +1,31 @@
+"""Server options (everything `ember serve` takes beyond the engine's own flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.errors import EmberError
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_queued_requests: int | None = None  # None: unbounded
+    max_queued_tokens: int | None = None  # None: unbounded
+    queue_timeout: float | None = None  # seconds a request may wait for the engine; None: forever
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    retry_after_s: int = 1  # Retry-After sent with 429
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or any(not name for name in self.served_model_names):
+            raise EmberError("served model names must be non-empty strings")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise EmberError(f"{name} must be at least 1, got {value}")
+        for name in ("queue_timeout", "drain_timeout"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise EmberError(f"{name} must be >= 0 seconds, got {value}")
