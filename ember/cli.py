@@ -10,7 +10,8 @@ import sys
 # Modules under ember.commands, in the order `ember --help` lists them.
 COMMAND_MODULES = [
     "generate",
-    "serve",
+    "gateway",
+    "keys",
     "bench",
 ]
 
