@@ -10,6 +10,7 @@ import sys
 # Modules under ember.commands, in the order `ember --help` lists them.
 COMMAND_MODULES = [
     "generate",
+    "serve",
     "gateway",
     "keys",
     "bench",
