@@ -1,16 +1,22 @@
-"""Active health probes: GET <replica>/health every `health.interval_s`; `unhealthy_threshold`
-failures in a row eject a replica, `healthy_threshold` successes in a row re-admit it."""
+"""Active health probes: GET <replica><health.path> for every replica every `health.interval_s`
+(the first round at start). A 2xx answer within `health.timeout_s` is a success; anything else
+(refused, reset, timeout, 5xx such as a server still loading its model) is a failure.
+`unhealthy_threshold` failures in a row eject a replica and `healthy_threshold` successes in a row
+re-admit it (ReplicaPool keeps the counts, shared with the proxy's passive failures)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 
 import aiohttp
 
 from ember.gateway.config import HealthConfig
+from ember.gateway.periodic import PeriodicTask
 from ember.gateway.proxy import UpstreamClient
 from ember.gateway.replicas import Replica, ReplicaPool
+
+logger = logging.getLogger("ember.gateway")
 
 
 class HealthProber:
@@ -18,34 +24,36 @@ class HealthProber:
         self.pool = pool
         self.client = client
         self.config = config
-        self._task: asyncio.Task | None = None
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._task = PeriodicTask("ember-gateway-health", config.interval_s, self.probe_all)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="ember-gateway-health")
+        await self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(replica) for replica in self.pool.all()))
+        await asyncio.gather(*(self.probe(replica) for replica in self.pool.all()))
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            await self.probe_all()
-
-    async def _probe(self, replica: Replica) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+    async def probe(self, replica: Replica) -> bool:
+        """One probe; reports the outcome to the pool and returns whether it succeeded."""
+        failure = None
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=timeout) as response:
+            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
                 await response.read()
-                healthy = response.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            healthy = False
-        if healthy:
+                if not 200 <= response.status < 300:
+                    failure = f"HTTP {response.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            failure = type(exc).__name__
+        was_healthy = replica.healthy
+        if failure is None:
             self.pool.mark_success(replica)
         else:
             self.pool.mark_failure(replica, "health_probe")
+        if replica.healthy != was_healthy:
+            if replica.healthy:
+                logger.info("replica %s re-admitted: health probe passed", replica.id)
+            else:
+                logger.warning("replica %s ejected: health probe failed (%s)", replica.id, failure)
+        return failure is None
