@@ -34,7 +34,6 @@ from ember.server.settings import ServerSettings
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
-
 def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app. Starting it (lifespan) starts the engine thread; stopping it stops the engine."""
     lifecycle = Lifecycle(settings.drain_timeout)
@@ -76,7 +75,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        cards = [ModelCard(id=name, created=created, root=str(getattr(engine, "source", name)),
+        cards = [ModelCard(id=name, created=created, root=str(engine.engine.source),
                            max_model_len=engine.max_model_len)
                  for name in settings.served_model_names]
         return json_response(ModelList(data=cards))
@@ -101,7 +100,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not _engine_alive(engine):
+        if not engine.is_running:
             raise APIError(503, "The engine thread is not running", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
@@ -109,7 +108,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def ready() -> Response:
         if lifecycle.draining:
             raise APIError(503, "The server is shutting down", code="server_draining")
-        if not lifecycle.ready or not _engine_alive(engine):
+        if not lifecycle.ready or not engine.is_running:
             raise APIError(503, "The server is not ready", code="not_ready")
         return JSONResponse({"status": "ready"})
 
@@ -129,6 +128,3 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app.add_middleware(AccessLog)
     return app
 
-
-def _engine_alive(engine: Any) -> bool:
-    return bool(getattr(engine, "is_running", True))

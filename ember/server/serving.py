@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember import __version__
+from ember.engine.async_engine import EngineDeadError, EngineRequestError
 from ember.engine.detokenizer import decode_token
 from ember.engine.sampling_params import SamplingParams
 from ember.server.admission import AdmissionController, AdmissionTicket
@@ -83,7 +84,7 @@ class OpenAIServing:
     def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request("The prompt is empty (it encodes to zero tokens)", param=param)
-        vocab_size = self.tokenizer.vocab_size
+        vocab_size = self.engine.model_config.vocab_size
         if max(token_ids) >= vocab_size:
             raise bad_request(f"Token id {max(token_ids)} is out of range (vocabulary size {vocab_size})",
                               param=param)
@@ -149,11 +150,11 @@ class OpenAIServing:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int,
                        ticket: AdmissionTicket) -> AsyncIterator[Any]:
-        """The engine's outputs for one prompt. 408 if the engine has not started it within the queue
-        timeout; the request is aborted in the engine (freeing its KV blocks) if iteration stops early."""
+        """The engine's outputs for one prompt, with engine failures turned into API errors: 408 if the
+        engine has not started the request within the queue timeout. Stopping early (client gone, error)
+        closes the engine's stream, which aborts the request there and frees its KV blocks."""
         stream = self.engine.generate(prompt_ids, params, request_id, priority=priority)
         self._running.add(request_id)
-        finished = False
         try:
             try:
                 async with asyncio.timeout(self.settings.queue_timeout):
@@ -162,26 +163,20 @@ class OpenAIServing:
                 self.metrics.count_rejected("queue_timeout")
                 raise APIError(408, f"The request waited more than {self.settings.queue_timeout:g} s in the "
                                     "queue and was dropped; retry later", code="queue_timeout") from None
-            except ValueError as exc:  # the engine refused the request
-                raise bad_request(str(exc)) from None
             ticket.started()
-            finished = output.finished
             yield output
             async for output in stream:
-                finished = output.finished
                 yield output
+        except ValueError as exc:  # the engine refused the request
+            raise bad_request(str(exc)) from None
+        except EngineRequestError as exc:
+            raise APIError(500, f"The engine failed this request: {exc}", code="engine_error") from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
         finally:
             self._running.discard(request_id)
             ticket.release()
-            try:
-                if not finished:
-                    await self._abort(request_id)
-            finally:
-                await stream.aclose()
-
-    async def _abort(self, request_id: str) -> None:
-        # Runs while the request task may be cancelled (client gone); shielding lets the abort finish.
-        await asyncio.shield(self.engine.abort(request_id))
+            await stream.aclose()
 
     async def abort_all(self) -> None:
         for request_id in list(self._running):
@@ -244,9 +239,6 @@ class OpenAIServing:
                         yield renderer.final(index, choice)
                 if output.finished:
                     finals[prompt_index] = output
-                    if output.error:
-                        raise APIError(500, f"The engine failed this request: {output.error}",
-                                       code="engine_error")
                 item = await anext(merged, None)
             usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, n)
             if renderer.include_usage:

@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ember.server.errors import APIError, bad_request
+from ember.server.errors import bad_request
 from ember.server.middleware import access_record
 from ember.server.protocol import (
     AssistantMessage,
@@ -76,8 +76,6 @@ class ChatServing(OpenAIServing):
             body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
-        if final.error:
-            raise APIError(500, f"The engine failed this request: {final.error}", code="engine_error")
         choices = [
             ChatCompletionChoice(
                 index=choice.index,

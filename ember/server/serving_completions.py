@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ember.server.errors import APIError, bad_request
+from ember.server.errors import bad_request
 from ember.server.middleware import access_record
 from ember.server.protocol import (
     CompletionChoice,
@@ -84,8 +84,6 @@ class CompletionsServing(OpenAIServing):
         choices: list[CompletionChoice] = []
         generated = []
         for prompt_index, output in enumerate(finals):
-            if output.error:
-                raise APIError(500, f"The engine failed this request: {output.error}", code="engine_error")
             generated.append(sum(len(choice.token_ids) for choice in output.outputs))
             for choice in output.outputs:
                 prefix = echo_texts[prompt_index] if echo_texts else ""
