@@ -1,0 +1,182 @@
+"""The asyncio front of the engine.
+
+One dedicated thread owns the LLMEngine and runs its step loop; the event loop never runs a model
+step. Requests and aborts cross into the thread through a lock-protected inbox (the thread sleeps
+on a condition variable while there is no work); each step's outputs cross back with ONE
+loop.call_soon_threadsafe, which fans them out to per-request asyncio queues."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from ember.engine.args import EngineArgs
+from ember.engine.llm_engine import LLMEngine, PreparedRequest
+from ember.engine.outputs import EngineStats, RequestOutput
+from ember.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed while serving this request (a model step raised); the engine itself lives on."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wakeup = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []  # ("add", PreparedRequest) | ("abort", request_id)
+        self._stopping = False
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # event loop only
+        self._stats = engine.stats()
+        self._dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
+        return cls(LLMEngine(args))
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still streaming end with EngineDeadError."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self._fail_all_streams(EngineDeadError("the engine was shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last has finished=True. Raises ValueError for a bad request,
+        EngineRequestError when the engine failed it. Closing the generator early aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason())
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # Tokenizing and validating here keeps bad requests out of the engine and raises to the caller.
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._post("add", prepared)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise EngineRequestError(item.error)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:
+                self._post("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort now: blocks are freed by the engine thread right away; the request's stream then ends
+        with an output whose finish_reason is "abort". Unknown or finished ids are ignored."""
+        self._post("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the engine's latest step (cheap; safe from any thread)."""
+        return self._stats
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def _post(self, kind: str, payload: object) -> None:
+        with self._wakeup:
+            self._inbox.append((kind, payload))
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    commands, self._inbox = self._inbox, []
+                outputs: list[RequestOutput | tuple[str, BaseException]] = []
+                for kind, payload in commands:
+                    if kind == "add":
+                        try:
+                            engine.add_prepared_request(payload)
+                        except ValueError as exc:
+                            assert isinstance(payload, PreparedRequest)
+                            outputs.append((payload.request_id, exc))
+                    else:
+                        outputs.extend(engine.abort_request(payload))
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs.extend(engine.step())
+                    except Exception as exc:  # noqa: BLE001 - a bug outside the model step: fail all, go on
+                        logger.exception("engine step failed; failing every unfinished request")
+                        error = EngineRequestError(f"engine step failed: {type(exc).__name__}: {exc}")
+                        outputs.extend((request_id, error) for request_id in list(engine.requests))
+                        engine.abort_request(list(engine.requests))
+                self._stats = engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:
+            logger.exception("the engine thread died")
+            self._dead_error = exc
+            self._loop.call_soon_threadsafe(self._fail_all_streams,
+                                            EngineDeadError(f"the engine thread died: {exc!r}"))
+            raise
+
+    def _dispatch(self, outputs: list[RequestOutput | tuple[str, BaseException]]) -> None:
+        streams = self._streams
+        for output in outputs:
+            if isinstance(output, tuple):
+                request_id, item = output
+            else:
+                request_id, item = output.request_id, output
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    def _fail_all_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+    def _dead_reason(self) -> str:
+        if self._dead_error is not None:
+            return f"the engine thread died: {self._dead_error!r}"
+        return "the engine is not running (call start())" if self._thread is None else "the engine is stopping"
