@@ -1,0 +1,106 @@
+"""Runs one engine step: builds the step's inputs and attention metadata once, one batched forward over every
+scheduled token (K/V written into and read from the paged cache), logits for the rows that sample, the sampler."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from ember.engine.args import EngineArgs
+from ember.engine.sampler import SampledToken, Sampler
+from ember.engine.scheduler import SchedulerOutput
+from ember.errors import EmberError
+from ember.layers.attention import SequenceSpan, build_attention_metadata
+from ember.models import build_model
+from ember.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Without --kv-cache-memory: what max_num_seqs sequences of max_model_len need, at most this much.
+DEFAULT_KV_CACHE_GIB = {"cpu": 1.0, "cuda": 4.0}
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], args: EngineArgs) -> None:
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+        self.config = config
+        self.dtype = config.torch_dtype
+        self.block_size = args.block_size
+        self.model = build_model(config, self.device)
+        self.model.load_weights(state_dict)
+
+        self.num_blocks = self._num_kv_blocks(args)
+        # One tensor for every layer's K and V: [layers, 2, kv_heads, blocks, block_size, head_dim]. Zeroed:
+        # padding slots are read (and masked), and a masked key must still be finite for softmax @ V.
+        self.kv_cache = torch.zeros(
+            config.num_hidden_layers, 2, config.num_key_value_heads, self.num_blocks, self.block_size,
+            config.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.num_queries_per_kv = config.num_attention_heads // config.num_key_value_heads
+        self.sampler = Sampler(config.eos_token_ids, self.device, args.seed)
+        logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB)", self.dtype, self.device,
+                    self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB)
+
+    def _num_kv_blocks(self, args: EngineArgs) -> int:
+        config = self.config
+        bytes_per_block = (2 * config.num_hidden_layers * config.num_key_value_heads * self.block_size
+                           * config.head_dim * self.dtype.itemsize)
+        if args.kv_cache_memory is not None:
+            num_blocks = int(args.kv_cache_memory * GiB // bytes_per_block)
+            if num_blocks < 1:
+                raise EmberError(f"kv_cache_memory {args.kv_cache_memory} GiB holds no KV block "
+                                 f"({bytes_per_block} bytes each): raise it")
+            return num_blocks
+        max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        needed = args.max_num_seqs * -(-max_model_len // self.block_size)
+        budget = int(DEFAULT_KV_CACHE_GIB.get(self.device.type, 1.0) * GiB // bytes_per_block)
+        return max(1, min(needed, budget))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
+        """One batched forward over every scheduled token, then sampling for the chunks that end their
+        sequence. The result is aligned with out.scheduled (None where nothing is sampled)."""
+        scheduled = out.scheduled
+        # Single-token (decode) rows first: they form one attention group, prefill chunks the other.
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions = []
+        spans = []
+        sample_rows = []
+        sampled_seqs = []
+        for i in order:
+            item = scheduled[i]
+            seq = item.seq
+            start, count = seq.num_computed_tokens, item.num_new_tokens
+            input_ids += seq.token_ids[start : start + count]
+            positions.append(np.arange(start, start + count))
+            spans.append(SequenceSpan(start, count, seq.block_table))
+            if item.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sampled_seqs.append(i)
+        meta = build_attention_metadata(spans, self.block_size, self.num_queries_per_kv, self.dtype, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            meta,
+            self.kv_caches,
+        )
+        results: list[SampledToken | None] = [None] * len(scheduled)
+        if not sample_rows:
+            return results
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        tokens = self.sampler(logits, [scheduled[i].seq for i in sampled_seqs])
+        for i, token in zip(sampled_seqs, tokens, strict=True):
+            results[i] = token
+        return results
