@@ -1,4 +1,7 @@
-"""Round robin: each request goes to the next replica in turn."""
+"""Round robin: each request goes to the next replica in turn.
+
+The router hands over one deployment's replicas in one region at a time, so each such group keeps
+its own turn: canary draws and spill-overs into another region do not skew the rotation."""
 
 from __future__ import annotations
 
@@ -16,11 +19,12 @@ class RoundRobinPolicy:
 
     def __init__(self, options: dict[str, Any] | None = None, rng: random.Random | None = None):
         parse_options(PolicyOptions, options or {})
-        self._turn = 0
+        self._turns: dict[tuple[str, str | None], int] = {}
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None:
         if not candidates:
             return None
-        replica = candidates[self._turn % len(candidates)]
-        self._turn += 1
-        return Choice(replica, "rotation")
+        group = (candidates[0].deployment, candidates[0].region)
+        turn = self._turns.get(group, 0)
+        self._turns[group] = turn + 1
+        return Choice(candidates[turn % len(candidates)], "rotation")
