@@ -35,28 +35,19 @@ from ember.gateway.proxy import (
 from ember.gateway.ratelimit import Admission, RateLimiter
 from ember.gateway.replicas import Replica, ReplicaPool
 from ember.gateway.request_context import RequestContext
+from ember.gateway.router import Router
+from ember.gateway.scraper import MetricsScraper
 from ember.gateway.usage import UsageLedger
 
 ENDPOINTS = ("chat/completions", "completions")
 BACKGROUND_PRIORITY = -1  # below every key's tier: async jobs wait behind interactive traffic
 
 
-class LeastOutstandingRouter:
-    """Stand-in until ember.gateway.router lands: the replica with the fewest requests in flight."""
-
-    def __init__(self, pool: ReplicaPool):
-        self.pool = pool
-
-    def select(self, model: str, request_ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        candidates = [r for r in self.pool.with_capacity(model) if r.id not in exclude]
-        return min(candidates, key=lambda r: r.outstanding / r.capacity, default=None)
-
-
 class Dispatcher:
     """Owns the gateway's state (pool, keys, limits, queue, upstream client, probes); start/stop it
     inside the serving event loop."""
 
-    def __init__(self, config: GatewayConfig, router=None):
+    def __init__(self, config: GatewayConfig):
         self.config = config
         self.pool = ReplicaPool.from_config(config)
         self.metrics = GatewayMetrics()
@@ -68,14 +59,17 @@ class Dispatcher:
         self.queue = AdmissionQueue(self.pool, config.queue.max_size, self.metrics)
         self.client = UpstreamClient(config.timeouts)
         self.health = HealthProber(self.pool, self.client, config.health)
-        self.router = router if router is not None else LeastOutstandingRouter(self.pool)
+        self.scraper = MetricsScraper(self.pool, self.client, config.scrape)
+        self.router = Router(config, self.pool)
 
     async def start(self) -> None:
         await self.client.start()
         await self.usage.start()
         await self.health.start()
+        await self.scraper.start()
 
     async def stop(self) -> None:
+        await self.scraper.stop()
         await self.health.stop()
         await self.usage.stop()
         await self.client.close()
@@ -204,7 +198,9 @@ class Dispatcher:
                 if last_failure is not None:
                     break  # no other replica to fail over to: report the replica's failure
                 raise
-            self.metrics.routing_decisions.labels(ctx.model, routing_policy, replica.id).inc()
+            route = ctx.extra.get("route")
+            reason = route.reason if route is not None else ""
+            self.metrics.routing_decisions.labels(ctx.model, routing_policy, replica.id, reason).inc()
             response: aiohttp.ClientResponse | None = None
             try:
                 response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))

@@ -61,7 +61,8 @@ class GatewayMetrics:
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.routing_decisions = Counter(
-            PREFIX + "routing_decisions", "Replicas chosen, by routing policy", ["model", "policy", "replica"],
+            PREFIX + "routing_decisions", "Replicas chosen, by routing policy and its reason",
+            ["model", "policy", "replica", "reason"],
             registry=r,
         )  # fmt: skip
         self.retries = Counter(

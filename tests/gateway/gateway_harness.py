@@ -1,0 +1,255 @@
+"""Gateway test harness (import it as `gateway_harness`; tests/gateway/conftest.py puts this folder
+on sys.path): real uvicorn servers on 127.0.0.1 in background threads.
+
+`FakeReplica` is a small OpenAI-compatible Starlette upstream whose behaviour a test controls
+(hold requests, fail with a status, die mid-stream, report unhealthy); it is used where a test is
+about the gateway's own behaviour. `GatewayServer` runs the real gateway app. Tests that need real
+model replicas start `ember serve` processes instead (test_gateway_e2e.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ember.gateway.app import GatewayApp, create_app
+from ember.gateway.config import parse_config
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll for a state change in another thread (not a timing assertion: the bound only stops a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ServerThread:
+    """A uvicorn server for `app` on its own event loop thread; stop() closes its connections."""
+
+    def __init__(self, app, port: int | None = None):
+        self.app = app
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+            lifespan="auto", timeout_graceful_shutdown=1, loop="asyncio", http="httptools",
+        )  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started or not self._thread.is_alive(), what=f"server on {self.port}")
+        if not self._server.started:
+            raise RuntimeError(f"server on port {self.port} did not start")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self._server.serve()
+
+        asyncio.run(main())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def call(self, fn) -> None:
+        """Run fn() on the server's loop thread and wait for it."""
+
+        async def run() -> None:
+            fn()
+
+        asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+
+class FakeReplica:
+    """An OpenAI-compatible upstream with knobs. Responses say which replica served them."""
+
+    def __init__(self, name: str, port: int | None = None):
+        self.name = name
+        self.requests: list[dict] = []  # bodies, in arrival order
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.fail_status: int | None = None
+        self.health_status = 200
+        self.hold_requests = False  # park every request until release()
+        self.pause_after_first_chunk = False  # park streams after their first chunk until release()
+        self.die_after_chunks: int | None = None  # abort the connection mid-stream
+        self.chunks = ["Hello", " from", " " + name]
+        self.usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+        self.aborted = 0  # streams the client (the gateway) hung up on
+        self._gate: asyncio.Event | None = None
+        routes = [
+            Route("/v1/chat/completions", self._completion, methods=["POST"]),
+            Route("/v1/completions", self._completion, methods=["POST"]),
+            Route("/health", self._health),
+            Route("/metrics", self._metrics),
+        ]
+        self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> FakeReplica:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def hold(self) -> None:
+        self.server.call(lambda: self._gate.clear())
+        self.hold_requests = True
+
+    def release(self) -> None:
+        self.hold_requests = False
+        self.pause_after_first_chunk = False
+        self.server.call(lambda: self._gate.set())
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        self._gate = asyncio.Event()
+        self._gate.set()
+        yield
+
+    async def _health(self, request: Request) -> Response:
+        return PlainTextResponse("ok" if self.health_status == 200 else "down", status_code=self.health_status)
+
+    async def _metrics(self, request: Request) -> Response:
+        return PlainTextResponse(
+            f"vllm:num_requests_running {self.in_flight}\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.0\n"
+        )
+
+    async def _completion(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        self.requests.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.hold_requests:
+                await self._gate.wait()
+            if self.fail_status is not None:
+                error = {"message": f"{self.name} fails", "type": "server_error", "param": None, "code": None}
+                return JSONResponse({"error": error}, status_code=self.fail_status)
+            chat = request.url.path.endswith("chat/completions")
+            if body.get("stream"):
+                include_usage = (body.get("stream_options") or {}).get("include_usage") is True
+                return StreamingResponse(self._stream(body, chat, include_usage), media_type="text/event-stream")
+            text = "".join(self.chunks)
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "stop"}
+            )
+            return JSONResponse(
+                {
+                    "id": f"cmpl-{self.name}-{len(self.requests)}",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": 1,
+                    "model": body.get("model"),
+                    "system_fingerprint": self.name,
+                    "choices": [choice],
+                    "usage": self.usage,
+                }
+            )
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(self, body: dict, chat: bool, include_usage: bool):
+        self.in_flight += 1
+        try:
+            for index, piece in enumerate(self.chunks):
+                if self.die_after_chunks is not None and index >= self.die_after_chunks:
+                    raise ConnectionAbortedError(f"{self.name} dies mid-stream")
+                delta = {"delta": {"content": piece}} if chat else {"text": piece}
+                chunk = {
+                    "id": f"cmpl-{self.name}",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "model": body.get("model"),
+                    "system_fingerprint": self.name,
+                    "choices": [{"index": 0, **delta, "finish_reason": None}],
+                }
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                if index == 0 and self.pause_after_first_chunk:
+                    self._gate.clear()
+                    await self._gate.wait()
+            if include_usage:
+                usage_chunk = {"id": f"cmpl-{self.name}", "model": body.get("model"), "choices": [], "usage": self.usage}
+                yield b"data: " + orjson.dumps(usage_chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+class GatewayServer:
+    def __init__(self, config: dict, base_dir: Path):
+        self.config = parse_config(config, base_dir=base_dir)
+        self.app: GatewayApp = create_app(self.config)
+        self.server = ServerThread(self.app)
+        self.url = self.server.url
+
+    @property
+    def dispatcher(self):
+        return self.app.dispatcher
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.dispatcher.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def model_config(*replicas: FakeReplica, capacity: int = 8, **routing) -> dict:
+    return {
+        "routing": routing or {"policy": "least-outstanding"},
+        "deployments": [{"name": "main", "replicas": [{"url": r.url, "id": r.name, "capacity": capacity} for r in replicas]}],
+    }
+
+
+def inline_key(secret: str, **policy) -> dict:
+    return {**policy, "sha256": sha256(secret)}
+
+
+def gateway_config(models: dict, keys: list[dict], **extra) -> dict:
+    config = {
+        "models": models,
+        "keys": {"inline": [inline_key(**key) for key in keys]},
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1},
+        "scrape": {"interval_s": 5},
+    }
+    config.update(extra)
+    return config
+
+
