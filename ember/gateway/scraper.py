@@ -80,12 +80,14 @@ class MetricsScraper:
                 ok = response.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             ok = False
-        if not ok:
-            replica.metrics = ReplicaMetrics()
-            return False
-        try:
-            snapshot = parse_load_metrics(text)
-        except ValueError:  # not a Prometheus exposition (a server without /metrics answering HTML)
+        snapshot = None
+        if ok:
+            try:
+                snapshot = parse_load_metrics(text)
+            except ValueError:  # a malformed exposition
+                snapshot = None
+        # No known load quantity at all (an HTML page, a server without load metrics) is no snapshot.
+        if snapshot is None or all(getattr(snapshot, quantity) is None for quantity in SAMPLE_NAMES):
             replica.metrics = ReplicaMetrics()
             return False
         snapshot.scraped_at = time.monotonic()
