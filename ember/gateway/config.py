@@ -30,6 +30,7 @@ Shape (every section but `models` is optional):
         - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
+    launch: {...}                       # `ember up` only: local replicas to start (ember.control.fleet)
 """
 
 from __future__ import annotations
@@ -236,6 +237,9 @@ class GatewayConfig(_Strict):
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    # `ember up`'s section (which local replicas to start, and how); the gateway ignores it and
+    # ember.control.fleet validates it, so one fleet file serves both.
+    launch: dict[str, Any] | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.
