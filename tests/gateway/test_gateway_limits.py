@@ -1,0 +1,103 @@
+"""Per-key limits: RPM/TPM token buckets with OpenAI's headers, concurrency, token budgets, usage."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+from gateway_harness import gateway_config, model_config, wait_until
+
+
+def chat(gateway, key: str, max_tokens: int = 16, content: str = "hi") -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    return httpx.post(
+        gateway.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+
+
+def test_requests_per_minute(replicas, start_gateway):
+    a, _ = replicas
+    gateway = start_gateway(gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "rpm": 2}]))
+    first, second, third = (chat(gateway, "sk-k") for _ in range(3))
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert third.status_code == 429
+    assert third.headers["retry-after"] == "30"  # one request per 30 s refills at 2 rpm
+    assert third.headers["x-ratelimit-limit-requests"] == "2"
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert third.headers["x-ratelimit-reset-requests"].endswith("s")
+    error = third.json()["error"]
+    assert error["type"] == "requests" and error["code"] == "rate_limit_exceeded"
+    assert len(a.requests) == 2
+    assert gateway.metric("ember_gateway_rate_limited_total", key="k", limit="requests") == 1
+
+
+def test_tokens_per_minute_is_estimated_then_corrected_from_usage(replicas, start_gateway):
+    a, _ = replicas
+    gateway = start_gateway(gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "tpm": 1000}]))
+    too_large = chat(gateway, "sk-k", max_tokens=1200)
+    assert too_large.status_code == 429 and "Request too large" in too_large.json()["error"]["message"]
+    # Estimate: len("user\nhi") // 4 + 600 = 601 tokens; the replica reports 10, so the bucket gets
+    # 591 back and the next request fits (it would not without the correction: 1000 - 601 < 601).
+    first = chat(gateway, "sk-k", max_tokens=600)
+    assert first.status_code == 200 and first.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) < 601
+    assert chat(gateway, "sk-k", max_tokens=600).status_code == 200
+    a.usage = {"prompt_tokens": 400, "completion_tokens": 500, "total_tokens": 900}
+    assert chat(gateway, "sk-k", max_tokens=600).status_code == 200  # charged 900 after the fact
+    refused = chat(gateway, "sk-k", max_tokens=600)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "tokens"
+    assert int(refused.headers["x-ratelimit-remaining-tokens"]) < 601
+    assert int(refused.headers["retry-after"]) >= 1
+    assert len(a.requests) == 3
+
+
+def test_max_concurrent_requests(replicas, start_gateway):
+    a, _ = replicas
+    gateway = start_gateway(
+        gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "max_concurrent": 1}])
+    )
+    a.hold()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(chat, gateway, "sk-k")
+        wait_until(lambda: a.in_flight == 1, what="first request at the replica")
+        refused = chat(gateway, "sk-k")
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+        a.release()
+        assert held.result().status_code == 200
+    assert chat(gateway, "sk-k").status_code == 200
+
+
+def test_token_budget_and_usage_endpoint(replicas, start_gateway):
+    a, _ = replicas
+    gateway = start_gateway(
+        gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "token_budget": 15}])
+    )
+    assert chat(gateway, "sk-k").status_code == 200  # 10 tokens used
+    assert chat(gateway, "sk-k").status_code == 200  # 10 < 15: still admitted, now 20 used
+    spent = chat(gateway, "sk-k")
+    assert spent.status_code == 429
+    assert spent.json()["error"]["code"] == "insufficient_quota"
+    usage = httpx.get(gateway.url + "/v1/usage", headers={"authorization": "Bearer sk-k"}).json()
+    assert usage["key"] == "k"
+    assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        2, 14, 6, 20,
+    )  # fmt: skip
+    assert usage["token_budget"] == 15 and usage["budget_remaining"] == 0
+    assert gateway.metric("ember_gateway_tokens_total", key="k", kind="completion") == 6
+
+
+def test_usage_survives_a_restart_with_a_key_store(replicas, start_gateway, tmp_path):
+    a, _ = replicas
+    config = gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "token_budget": 15}])
+    config["keys"]["store"] = "keys.db"
+    first = start_gateway(config)
+    assert chat(first, "sk-k").status_code == 200
+    assert chat(first, "sk-k").status_code == 200
+    first.server.stop()  # shutdown flushes the usage counters to the store
+    second = start_gateway(config)
+    assert chat(second, "sk-k").status_code == 429
