@@ -70,16 +70,32 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         detail = next(err for err in errors if err.get("type") == "json_invalid")
         reason = detail.get("ctx", {}).get("error", "malformed JSON")
         return bad_request(f"Invalid JSON body: {reason}", code="invalid_json")
-    messages, param = [], None
+    messages: list[str] = []
+    param = None
     for err in errors:
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        if loc:
-            param = param or ".".join(loc)
-            messages.append(f"{'.'.join(loc)}: {msg}")
-        else:
-            messages.append(msg)
-    return bad_request("; ".join(messages) or "invalid request", param=param)
+        path = _field_path(err.get("loc", ()))
+        param = param or (path.split(".", 1)[0] if path else None)
+        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        line = f"{path}: {message}" if path else message
+        if line not in messages:
+            messages.append(line)
+    shown = "; ".join(messages[:3]) + (f" (and {len(messages) - 3} more)" if len(messages) > 3 else "")
+    return bad_request(shown or "invalid request", param=param)
+
+
+def _field_path(loc: tuple) -> str:
+    """`messages.0.role` from pydantic's location, without the `body` root and union-member tags."""
+    parts = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
+            break
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"})
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -43,7 +43,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)  # torch generator range, plus n siblings
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
