@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -105,44 +107,74 @@ def _hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return config
 
 
-def _to_torch(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
+def _to_torch(tensor: Any, dtype: torch.dtype, path: Path) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    if qtype == GGMLQuantizationType.BF16:  # exact, no float32 round trip
-        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16).reshape(shape).to(dtype)
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        # Copy out of the read-only memory map so the tensors outlive the file.
-        return torch.from_numpy(np.array(tensor.data)).reshape(shape).to(dtype)
     try:
-        values = dequantize(tensor.data, qtype)
+        if qtype == GGMLQuantizationType.BF16:  # exact, no float32 round trip
+            values = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+        elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            # Copy out of the read-only memory map so the tensors outlive the file.
+            values = torch.from_numpy(np.array(tensor.data))
+        else:
+            values = torch.from_numpy(dequantize(tensor.data, qtype))
+        return values.reshape(shape).to(dtype)
     except NotImplementedError:
-        raise ModelLoadError(f"tensor {tensor.name} uses quantization type {qtype.name}, which Ember "
+        raise ModelLoadError(f"{path}: tensor {tensor.name} uses quantization type {qtype.name}, which Ember "
                              f"cannot dequantize") from None
-    return torch.from_numpy(values).reshape(shape).to(dtype)
+    except (ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt ({exc})") from None
 
 
-def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
-    reader = open_gguf(path)
-    config = ModelConfig.from_hf_config(_hf_config(reader, path), dtype=dtype, device=device)
+def _llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, path: Path) -> dict[str, Any]:
+    """llama.cpp stores Llama 3.1+'s rope scaling as per-frequency factors (rope_freqs.weight) instead of
+    parameters. Every Llama 3.x uses the same band edges, so recognise those and return HF's parameters."""
+    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    wavelengths = 2 * np.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old_context = params["original_max_position_embeddings"]
+    smooth = (old_context / wavelengths - params["low_freq_factor"]) / (
+        params["high_freq_factor"] - params["low_freq_factor"])
+    expected = np.where(wavelengths < old_context / params["high_freq_factor"], 1.0,
+                        np.where(wavelengths > old_context / params["low_freq_factor"], params["factor"],
+                                 1 / ((1 - smooth) / params["factor"] + smooth)))
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5):
+        raise ModelLoadError(f"{path}: rope_freqs.weight holds rope frequency factors that are not Llama 3's "
+                             f"scaling, which is the only one supported")
+    return params
+
+
+def _read_tensors(reader: GGUFReader, path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     # Only the llama architecture's converter permutes q/k rows (qwen2 uses NeoX-style rope natively).
     permuted = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} \
-        if metadata_value(reader, "general.architecture") == "llama" else {}
+        if config.architecture == "LlamaForCausalLM" else {}
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name} for {config.architecture}")
-        try:
-            weight = _to_torch(tensor, config.torch_dtype)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"{path}: {exc}") from None
-        except ValueError as exc:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt ({exc})") from None
+        weight = _to_torch(tensor, config.torch_dtype, path)
         projection = name.split(".")[-2]
         if projection in permuted:
             weight = unpermute_rows(weight, permuted[projection])
         state_dict[name] = weight
-    state_dict = check_state_dict(config, state_dict, str(path))
-    tokenizer = build_gguf_tokenizer(reader, path, eos_token_ids=config.eos_token_ids,
-                                     bos_token_id=config.bos_token_id)
+    return check_state_dict(config, state_dict, str(path))
+
+
+def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    reader = open_gguf(path)
+    try:
+        config = ModelConfig.from_hf_config(_hf_config(reader, path), dtype=dtype, device=device)
+        # The tokenizer first: it is the cheap part and the likelier to be unsupported.
+        tokenizer = build_gguf_tokenizer(reader, path, eos_token_ids=config.eos_token_ids,
+                                         bos_token_id=config.bos_token_id)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata ({exc})") from None
+    rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if rope_freqs is not None:
+        factors = _to_torch(rope_freqs, torch.float64, path).numpy()
+        config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
+    state_dict = _read_tensors(reader, path, config)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))

@@ -13,6 +13,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ember.errors import ModelLoadError
+
 
 class _GenerationTagExtension(Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in HF templates;
@@ -63,7 +65,10 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.chat_template = chat_template
-        self._compiled_template = compile_chat_template(chat_template) if chat_template else None
+        try:
+            self._compiled_template = compile_chat_template(chat_template) if chat_template else None
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise ModelLoadError(f"the chat template does not compile: {exc} (line {exc.lineno})") from None
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
