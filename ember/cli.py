@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "generate",
     "serve",
     "gateway",
+    "up",
     "keys",
     "bench",
 ]

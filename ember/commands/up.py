@@ -1,0 +1,46 @@
+"""`ember up [fleet.yaml]`: the gateway and its local `ember serve` replicas, supervised, in one command."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import resources
+
+
+def default_fleet_path() -> str:
+    return str(resources.files("ember.fleets").joinpath("default.yaml"))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="Start a gateway and its local replicas from one fleet file, restarting any that crash",
+        description="Start the gateway and the local `ember serve` replicas a fleet file describes (the gateway "
+        "config plus a `launch:` section), restart crashed ones with backoff, stop all on SIGTERM or Ctrl-C.",
+    )
+    parser.add_argument(
+        "fleet",
+        nargs="?",
+        default=None,
+        help="Fleet YAML file (default: the packaged fleet, SmolLM2 on two replicas, gateway on 127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="Validate the fleet file and print the command of each process instead of starting them",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import shlex
+
+    from ember.control.fleet import load_fleet
+    from ember.control.supervisor import Supervisor
+
+    fleet = load_fleet(args.fleet or default_fleet_path())  # a bad file fails here, before anything starts
+    if args.print_commands:
+        for child in fleet.children:
+            print(f"{child.name}: {shlex.join(child.argv)}")
+        return 0
+    return asyncio.run(Supervisor(fleet).run())

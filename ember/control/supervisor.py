@@ -1,0 +1,159 @@
+"""Runs a fleet's processes (the gateway and its local replicas) until SIGTERM/SIGINT.
+
+- Each child runs in its own session (process group): a terminal's Ctrl-C reaches only the
+  supervisor, which then stops the children in order (gateway first, so it stops taking requests
+  while the replicas still finish the ones it forwarded, then the replicas together), each with
+  SIGTERM to its group and SIGKILL after `shutdown_timeout_s`. A second signal skips the wait.
+- On Linux each child also gets SIGTERM if the supervisor itself dies, so none is orphaned.
+- A child that exits on its own is restarted after an exponential backoff (initial_backoff_s,
+  doubling up to max_backoff_s), reset once a run has lasted stable_after_s.
+- Child output is copied line by line to stdout, prefixed with the child's name; readiness
+  (its /health answering 200) is reported once per start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import sys
+from dataclasses import dataclass, field
+
+import httpx
+
+from ember.control.fleet import ChildSpec, Fleet, RestartPolicy
+
+PR_SET_PDEATHSIG = 1
+READY_POLL_S = 0.5
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"code {returncode}"
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    process: asyncio.subprocess.Process | None = None
+    starts: int = 0
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Supervisor:
+    def __init__(self, fleet: Fleet, out=None):
+        self.fleet = fleet
+        self.restart: RestartPolicy = fleet.launch.restart
+        self.shutdown_timeout_s = fleet.launch.shutdown_timeout_s
+        self._out = out or sys.stdout
+        self._children = [_Child(spec) for spec in fleet.children]
+        self._stopping = asyncio.Event()
+        self._force = asyncio.Event()
+
+    def log(self, message: str) -> None:
+        self._out.write(f"[ember up] {message}\n")
+        self._out.flush()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        self.log(f"starting {len(self._children) - 1} replica(s) and the gateway on {self.fleet.gateway_url}")
+        async with httpx.AsyncClient(timeout=2.0) as probe:
+            self._probe = probe
+            for child in self._children:
+                child.task = asyncio.create_task(self._supervise(child), name=child.spec.name)
+            await self._stopping.wait()
+            self.log("stopping: gateway first, then the replicas")
+            gateway, *replicas = self._children
+            await self._stop_child(gateway)
+            await asyncio.gather(*(self._stop_child(child) for child in replicas))
+            await asyncio.gather(*(child.task for child in self._children if child.task is not None))
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        self.log("all processes stopped")
+        return 0
+
+    def request_stop(self) -> None:
+        if self._stopping.is_set():
+            self._force.set()  # a second signal: do not wait for graceful exits
+        self._stopping.set()
+
+    async def _supervise(self, child: _Child) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self.restart.initial_backoff_s
+        while not self._stopping.is_set():
+            started = loop.time()
+            try:
+                child.process = await asyncio.create_subprocess_exec(
+                    *child.spec.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            except OSError as exc:
+                self.log(f"{child.spec.name} could not start: {exc}")
+                returncode = None
+            else:
+                child.starts += 1
+                self.log(f"{child.spec.name} started (pid {child.process.pid}): ember {shlex.join(child.spec.argv[3:])}")
+                ready = asyncio.create_task(self._report_ready(child, child.process))
+                await self._copy_output(child, child.process)
+                returncode = await child.process.wait()
+                ready.cancel()
+            if self._stopping.is_set():
+                break
+            uptime = loop.time() - started
+            if uptime >= self.restart.stable_after_s:
+                backoff = self.restart.initial_backoff_s
+            exited = "could not start" if returncode is None else f"exited with {_describe_exit(returncode)}"
+            self.log(f"{child.spec.name} {exited} after {uptime:.1f}s; restarting in {backoff:.1f}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), backoff)
+            backoff = min(backoff * 2, self.restart.max_backoff_s)
+
+    async def _copy_output(self, child: _Child, process: asyncio.subprocess.Process) -> None:
+        prefix = f"[{child.spec.name}] "
+        assert process.stdout is not None
+        while line := await process.stdout.readline():
+            self._out.write(prefix + line.decode(errors="replace").rstrip("\n") + "\n")
+            self._out.flush()
+
+    async def _report_ready(self, child: _Child, process: asyncio.subprocess.Process) -> None:
+        while process.returncode is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._probe.get(child.spec.health_url)).status_code == 200:
+                    self.log(f"{child.spec.name} ready ({child.spec.health_url})")
+                    return
+            await asyncio.sleep(READY_POLL_S)
+
+    async def _stop_child(self, child: _Child) -> None:
+        process = child.process
+        if process is None or process.returncode is not None:
+            return
+        self._signal_group(process, signal.SIGTERM)
+        waiting = asyncio.ensure_future(process.wait())
+        forced = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait({waiting, forced}, timeout=self.shutdown_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if process.returncode is None:
+            self.log(f"{child.spec.name} did not stop in time: killing it")
+            self._signal_group(process, signal.SIGKILL)
+        await waiting
+
+    @staticmethod
+    def _signal_group(process: asyncio.subprocess.Process, signum: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
