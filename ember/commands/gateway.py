@@ -16,6 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000)")
     parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="Also serve the ember.v1.Inference gRPC API on this port (default: async.grpc.port, else off)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -29,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.gateway.app import create_app
     from ember.gateway.config import load_config
+    from ember.gateway.protocols import protocol_extensions
 
     config = load_config(args.config)  # a bad file fails here, before anything listens
-    app = create_app(config)
+    app = create_app(config, protocol_extensions(config, args.grpc_port))
     uvicorn.run(
         app,
         host=args.host,

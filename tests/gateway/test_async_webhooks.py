@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import http.server
 import ipaddress
 import json
-import threading
-import time
 
 import pytest
+from protocols_support import WebhookReceiver
 
 from ember.gateway.jobs.config import WebhooksConfig
 from ember.gateway.jobs.store import JobStore, NewJob
@@ -21,42 +19,6 @@ from ember.gateway.jobs.webhooks import (
     sign,
     verify,
 )
-
-
-class Receiver:
-    """A real HTTP server that records deliveries and answers from a script of status codes."""
-
-    def __init__(self, statuses: list[int], delay_s: float = 0.0):
-        self.statuses = list(statuses)
-        self.delay_s = delay_s
-        self.deliveries: list[tuple[dict[str, str], bytes]] = []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers["content-length"]))
-                receiver.deliveries.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                if receiver.delay_s:
-                    time.sleep(receiver.delay_s)
-                status = receiver.statuses.pop(0) if receiver.statuses else 200
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_signature_matches_the_standard_webhooks_test_vector():
@@ -178,7 +140,7 @@ def config(**overrides) -> WebhooksConfig:
 
 
 async def test_fails_twice_then_delivered_with_one_webhook_id(store):
-    with Receiver([500, 503, 200]) as receiver:
+    with WebhookReceiver([500, 503, 200]) as receiver:
         sender = WebhookSender(store, config())
         await sender.start()
         job = await finished_job(store, receiver.url)
@@ -201,7 +163,7 @@ async def test_fails_twice_then_delivered_with_one_webhook_id(store):
 
 
 async def test_gives_up_after_max_attempts(store):
-    with Receiver([500] * 5) as receiver:
+    with WebhookReceiver([500] * 5) as receiver:
         sender = WebhookSender(store, config(max_attempts=2))
         await sender.start()
         job = await finished_job(store, receiver.url)
@@ -213,7 +175,7 @@ async def test_gives_up_after_max_attempts(store):
 
 
 async def test_timeout_is_an_attempt_and_is_retried(store):
-    with Receiver([200, 200], delay_s=0.6) as receiver:
+    with WebhookReceiver([200, 200], delay_s=0.6) as receiver:
         sender = WebhookSender(store, config(timeout_s=0.2, max_attempts=2))
         await sender.start()
         job = await finished_job(store, receiver.url)
@@ -226,7 +188,7 @@ async def test_timeout_is_an_attempt_and_is_retried(store):
 
 
 async def test_pending_deliveries_resume_on_start_with_the_same_id(store):
-    with Receiver([500, 200]) as receiver:
+    with WebhookReceiver([500, 200]) as receiver:
         job = await finished_job(store, receiver.url)
         await store.record_webhook_attempt(job.id, 500, "receiver answered HTTP 500", None)
         sender = WebhookSender(store, config())

@@ -37,11 +37,13 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-def validate_request_body(body: dict[str, Any], endpoint: str, allowed: Any) -> None:
-    """What can be checked before queueing: the model is named, allowed to the key, not streamed."""
+def validate_request_body(body: dict[str, Any], endpoint: str, known_models: Any, allowed: Any) -> None:
+    """What can be checked before queueing: the model exists and is allowed to the key, no streaming."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("You must provide a model parameter.", param="model")
+    if model not in known_models:
+        raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
     if endpoint == "/v1/chat/completions" and not isinstance(body.get("messages"), list):
         raise bad_request("'messages' must be an array of messages.", param="messages")
     if endpoint == "/v1/completions" and "prompt" not in body:
@@ -54,7 +56,7 @@ def validate_request_body(body: dict[str, Any], endpoint: str, allowed: Any) -> 
         raise GatewayError(
             403,
             f"This API key may not use model '{model}'.",
-            "permission_denied",
+            "permission_error",
             "model_not_allowed",
             "model",
         )
@@ -77,7 +79,9 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
                     await runtime.webhooks.guard.resolve(webhook_url)
                 except WebhookURLError as exc:
                     raise bad_request(str(exc), param="webhook_url", code="invalid_webhook_url") from None
-            validate_request_body(body, endpoint, principal.policy.allows_model)
+            validate_request_body(
+                body, endpoint, runtime.dispatcher.config.models, principal.policy.allows_model
+            )
             job = await runtime.store.create_job(
                 NewJob(
                     key_id=principal.key_id,
