@@ -1,0 +1,127 @@
+"""Failover before the first byte, clean endings after it, passive and active ejection, re-admission."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+from gateway_harness import FakeReplica, free_port, gateway_config, wait_until
+
+KEY = {"name": "ci", "secret": "sk-ci"}
+AUTH = {"authorization": "Bearer sk-ci"}
+SLOW_PROBES = {"interval_s": 60, "timeout_s": 0.5, "unhealthy_threshold": 3, "healthy_threshold": 1}
+
+
+def two_replica_model(first_url: str, second_url: str, policy: str = "round-robin") -> dict:
+    replicas = [{"url": first_url, "id": "first"}, {"url": second_url, "id": "second"}]
+    return {"routing": {"policy": policy}, "deployments": [{"replicas": replicas}]}
+
+
+def chat(gateway, stream: bool = False) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+
+
+def test_connection_refused_is_retried_and_the_replica_ejected(start_gateway):
+    live = FakeReplica("live").start()
+    try:
+        dead_url = f"http://127.0.0.1:{free_port()}"
+        config = gateway_config({"tiny": two_replica_model(dead_url, live.url)}, [dict(KEY)], health=SLOW_PROBES)
+        gateway = start_gateway(config)
+        responses = [chat(gateway), chat(gateway, stream=True), chat(gateway), chat(gateway, stream=True)]
+        assert [response.status_code for response in responses] == [200] * 4
+        assert all(response.headers["x-ember-replica"] == "second" for response in responses)
+        assert len(live.requests) == 4
+        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="connect_error") == 1
+        assert gateway.metric("ember_gateway_ejections_total", replica="first", reason="connect_error") == 1
+        assert not gateway.dispatcher.pool.get("first").healthy
+    finally:
+        live.stop()
+
+
+def test_5xx_is_retried_on_another_replica_and_all_failing_gives_502(start_gateway):
+    failing, healthy = FakeReplica("failing").start(), FakeReplica("healthy").start()
+    try:
+        failing.fail_status = 500
+        config = gateway_config(
+            {"tiny": two_replica_model(failing.url, healthy.url)}, [dict(KEY)], health=SLOW_PROBES
+        )
+        gateway = start_gateway(config)
+        responses = [chat(gateway) for _ in range(4)]
+        assert [response.status_code for response in responses] == [200] * 4
+        assert {response.json()["system_fingerprint"] for response in responses} == {"healthy"}
+        assert len(failing.requests) >= 1
+        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="http_500") == len(failing.requests)
+        healthy.fail_status = 503
+        everything_fails = chat(gateway)
+        assert everything_fails.status_code == 502
+        error = everything_fails.json()["error"]
+        assert error["code"] == "upstream_error"
+        assert error["message"].endswith("replica(s) failed before responding (last: HTTP 503).")
+    finally:
+        failing.stop()
+        healthy.stop()
+
+
+def test_client_errors_are_passed_through_not_retried(start_gateway):
+    first, second = FakeReplica("first").start(), FakeReplica("second").start()
+    try:
+        first.fail_status = second.fail_status = 422
+        gateway = start_gateway(gateway_config({"tiny": two_replica_model(first.url, second.url)}, [dict(KEY)]))
+        response = chat(gateway)
+        assert response.status_code == 422
+        assert response.json()["error"]["message"].endswith("fails")
+        assert len(first.requests) + len(second.requests) == 1
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_then_done(start_gateway):
+    replica = FakeReplica("fragile").start()
+    try:
+        replica.die_after_chunks = 1
+        models = {"tiny": {"deployments": [{"replicas": [{"url": replica.url, "id": "fragile"}]}]}}
+        gateway = start_gateway(gateway_config(models, [dict(KEY)], health=SLOW_PROBES))
+        response = chat(gateway, stream=True)
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+        assert len(events) == 3
+        assert orjson.loads(events[0])["choices"][0]["delta"]["content"] == "Hello"
+        error = orjson.loads(events[1])["error"]
+        assert error["type"] == "server_error" and error["code"] == "upstream_stream_error"
+        assert events[2] == "[DONE]"
+        assert gateway.dispatcher.pool.get("fragile").outstanding == 0
+    finally:
+        replica.stop()
+
+
+def test_health_probes_eject_and_readmit(start_gateway):
+    flaky, steady = FakeReplica("flaky").start(), FakeReplica("steady").start()
+    try:
+        config = gateway_config({"tiny": two_replica_model(flaky.url, steady.url)}, [dict(KEY)])
+        gateway = start_gateway(config)  # probes every 0.2 s, 2 failures eject, 1 success re-admits
+        replica = gateway.dispatcher.pool.get("first")
+        flaky.health_status = 503
+        wait_until(lambda: not replica.healthy, what="ejection")
+        assert {chat(gateway).headers["x-ember-replica"] for _ in range(4)} == {"second"}
+        ready = httpx.get(gateway.url + "/ready").json()
+        assert ready["healthy_replicas"] == {"tiny": 1}
+        flaky.health_status = 200
+        wait_until(lambda: replica.healthy, what="re-admission")
+        assert gateway.metric("ember_gateway_ejections_total", replica="first", reason="health_probe") == 1
+        assert gateway.metric("ember_gateway_readmissions_total", replica="first") == 1
+        assert {chat(gateway).headers["x-ember-replica"] for _ in range(4)} == {"first", "second"}
+    finally:
+        flaky.stop()
+        steady.stop()
+
+
+def test_no_healthy_replica_is_a_503(start_gateway):
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    models = {"tiny": {"deployments": [{"replicas": [{"url": dead_url, "id": "dead"}]}]}}
+    gateway = start_gateway(gateway_config(models, [dict(KEY)], health=SLOW_PROBES))
+    first = chat(gateway)
+    assert first.status_code == 502  # tried, refused, ejected, nothing else to try
+    second = chat(gateway)
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "no_healthy_replica"
