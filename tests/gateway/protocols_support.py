@@ -129,12 +129,19 @@ def stop_process(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@pytest.fixture(scope="module")
+_shared_replica: tuple[subprocess.Popen, str] | None = None
+
+
+@pytest.fixture(scope="session")
 def real_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real `ember serve` replica of the tiny model (float32), shared by a test module."""
-    process, url = start_ember_serve(tiny_model_dir, tmp_path_factory.mktemp("replica") / "serve.log")
-    yield url
-    stop_process(process)
+    """One real `ember serve` replica of the tiny model (float32) for the whole session: each test
+    module that imports this fixture gets its own session-scoped definition, so the process is cached
+    here and started once (two cores: one model server is plenty)."""
+    global _shared_replica
+    if _shared_replica is None or _shared_replica[0].poll() is not None:
+        _shared_replica = start_ember_serve(tiny_model_dir, tmp_path_factory.mktemp("replica") / "serve.log")
+    yield _shared_replica[1]
+    stop_process(_shared_replica[0])
 
 
 class WebhookReceiver:
