@@ -107,7 +107,7 @@ class SSEParser:
 
 def usage_of(payload: bytes) -> dict | None:
     """The `usage` object of a response body or stream chunk, parsed only when one is present."""
-    if b'"usage"' not in payload:
+    if b'"usage"' not in payload or b'"usage":null' in payload:
         return None
     try:
         usage = orjson.loads(payload).get("usage")
