@@ -149,7 +149,8 @@ class Supervisor:
         await asyncio.wait({waiting, forced}, timeout=self.shutdown_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         forced.cancel()
         if process.returncode is None:
-            self.log(f"{child.spec.name} did not stop in time: killing it")
+            why = "a second signal" if self._force.is_set() else f"not stopped after {self.shutdown_timeout_s:g}s"
+            self.log(f"{child.spec.name}: {why}, killing it")
             self._signal_group(process, signal.SIGKILL)
         await waiting
 

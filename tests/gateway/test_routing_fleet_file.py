@@ -1,0 +1,73 @@
+"""`ember up`'s fleet file: the launch section, its checks against `models:`, the commands it yields.
+The supervisor itself runs for real in test_routing_fleet_e2e.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ember.control.fleet import FleetError, load_fleet
+
+
+def write_fleet(tmp_path: Path, model_dir: Path, gateway_port: int, replica_port: int, **launch) -> Path:
+    fleet = {
+        "models": {
+            "tiny": {
+                "deployments": [{"model": "tiny-v1", "replicas": [{"url": f"http://127.0.0.1:{replica_port}", "id": "r1"}]}]
+            }
+        },
+        "keys": {"inline": [{"name": "t", "sha256": "0" * 64}]},
+        "launch": {
+            "gateway": {"port": gateway_port},
+            "replicas": [
+                {"port": replica_port, "model": str(model_dir), "args": ["--dtype", "float32", "--kv-cache-memory", "0.02"]}
+            ],
+            "restart": {"initial_backoff_s": 0.1, "max_backoff_s": 1.0},
+            "shutdown_timeout_s": 60,
+            **launch,
+        },
+    }
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    return path
+
+
+def test_fleet_file_derives_each_replica_command_from_the_models_section(tmp_path, tiny_model_dir):
+    path = write_fleet(tmp_path, tiny_model_dir, 18500, 18501)
+    fleet = load_fleet(path)
+    gateway, replica = fleet.children
+    assert gateway.argv[3:] == ["gateway", "--config", str(path.resolve()), "--host", "127.0.0.1", "--port", "18500"]
+    assert replica.name == "replica-18501" and replica.health_url == "http://127.0.0.1:18501/health"
+    assert replica.argv[3:11] == ["serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "18501",
+                                  "--served-model-name"]  # fmt: skip
+    assert replica.argv[11] == "tiny-v1"  # what the gateway sends upstream as `model`
+    assert replica.argv[-4:] == ["--dtype", "float32", "--kv-cache-memory", "0.02"]
+
+
+def test_fleet_file_errors_name_the_bad_field(tmp_path, tiny_model_dir):
+    path = write_fleet(tmp_path, tiny_model_dir, 18500, 18501, restart={"initial_backoff_s": 0})
+    with pytest.raises(FleetError, match=r"launch\.restart\.initial_backoff_s: Input should be greater than 0"):
+        load_fleet(path)
+    data = yaml.safe_load(path.read_text())
+    data["launch"]["restart"] = {}
+    data["launch"]["replicas"][0]["port"] = 18599
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FleetError, match=r"launch\.replicas\[0\]\.port: no replica under models .* port 18599"):
+        load_fleet(path)
+    data["launch"]["replicas"][0]["port"] = 18500
+    data["models"]["tiny"]["deployments"][0]["replicas"][0]["url"] = "http://127.0.0.1:18500"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FleetError, match=r"launch\.replicas\[0\]\.port: 18500 is already used by launch\.gateway"):
+        load_fleet(path)
+
+
+def test_the_packaged_default_fleet_is_valid_for_ember_up_and_ember_gateway():
+    from ember.commands.up import default_fleet_path
+    from ember.gateway.config import load_config
+
+    fleet = load_fleet(default_fleet_path())
+    assert fleet.gateway_url == "http://127.0.0.1:8000"
+    assert [child.name for child in fleet.children] == ["gateway", "replica-8001", "replica-8002"]
+    assert load_config(default_fleet_path()).models["smollm2-135m-instruct"].routing.policy == "prefix-cache"
