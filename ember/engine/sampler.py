@@ -18,7 +18,7 @@ from ember.engine.sequence import Sequence
 class SampledToken:
     token_id: int
     logprob: float  # log_softmax of the raw model logits
-    rank: int  # 1 = the most likely token under the raw logits
+    rank: int | None  # 1 = the most likely token under the raw logits; None when logprobs were not asked
     top_logprobs: list[tuple[int, float]] | None  # params.logprobs most likely (token, logprob); None if not asked
 
 
@@ -32,19 +32,33 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: float32 [N, V], row i belongs to seqs[i] (whose token_ids hold prompt + output so far)."""
         raw = logits
+        # One pass gives the raw argmax (the greedy choice when nothing edits the logits) and the row maximum
+        # that stabilizes the log-normalizer.
+        row_max, raw_argmax = raw.max(dim=-1)
         logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_penalties(logits, seqs)
-        token_ids = self._choose(logits, seqs)
+        token_ids = self._choose(logits, seqs, raw_argmax if logits is raw else logits.argmax(dim=-1))
 
-        log_norm = torch.logsumexp(raw, dim=-1)
+        log_norm = row_max + (raw - row_max[:, None]).exp_().sum(dim=-1).log_()
         chosen_raw = raw.gather(1, token_ids[:, None])
         token_logprobs = (chosen_raw[:, 0] - log_norm).tolist()
-        ranks = ((raw > chosen_raw).sum(dim=-1) + 1).tolist()
+        ranks = self._ranks(raw, chosen_raw, seqs)
         top = self._top_logprobs(raw, log_norm, seqs)
         return [
-            SampledToken(token_id, logprob, rank, top[i])
-            for i, (token_id, logprob, rank) in enumerate(zip(token_ids.tolist(), token_logprobs, ranks, strict=True))
+            SampledToken(token_id, logprob, ranks[i], top[i])
+            for i, (token_id, logprob) in enumerate(zip(token_ids.tolist(), token_logprobs, strict=True))
         ]
+
+    def _ranks(self, raw: torch.Tensor, chosen_raw: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """1 + how many tokens the raw logits rank above the chosen one, for rows that asked for logprobs."""
+        ranks: list[int | None] = [None] * len(seqs)
+        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if rows:
+            if len(rows) < len(seqs):
+                raw, chosen_raw = raw[rows], chosen_raw[rows]
+            for row, rank in zip(rows, ((raw > chosen_raw).sum(dim=-1) + 1).tolist(), strict=True):
+                ranks[row] = rank
+        return ranks
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Until min_tokens outputs exist, EOS (unless ignore_eos, where it never stops anyway) and the stop
@@ -99,8 +113,8 @@ class Sampler:
     def _param_column(self, seqs: list[Sequence], rows: list[int], name: str) -> torch.Tensor:
         return torch.tensor([[getattr(seqs[row].params, name)] for row in rows], device=self.device)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids holds each row's argmax; rows with a temperature get a random draw instead."""
         random_rows = [row for row, seq in enumerate(seqs) if seq.params.temperature != 0.0]
         if not random_rows:
             return token_ids

@@ -41,7 +41,8 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy(sampler: Sampler) -> None:
     expected = logits.argmax(dim=-1).tolist()
     assert [t.token_id for t in greedy] == expected
     assert [t.token_id for t in top1] == expected
-    assert all(t.rank == 1 for t in greedy)
+    assert all(t.rank is None for t in greedy)
+    assert [t.rank for t in sampler(logits, [make_seq(temperature=0.0, logprobs=0) for _ in range(6)])] == [1] * 6
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: Sampler) -> None:
@@ -152,7 +153,10 @@ def test_logprobs_are_raw_log_softmax_with_sorted_ranked_top_logprobs(sampler: S
     reference = logits.log_softmax(dim=-1)
     for row, token in enumerate(out):
         assert token.logprob == pytest.approx(reference[row, token.token_id].item(), abs=1e-5)
+    for row, token in enumerate(out[:2]):
         assert token.rank == int((reference[row] > reference[row, token.token_id]).sum()) + 1
+    assert out[0].rank > 1  # the penalty and temperature moved the draw off the raw argmax, logprobs stay raw
+    assert out[2].rank is None
     top = out[0].top_logprobs
     values, indices = reference[0].topk(4)
     assert [t for t, _ in top] == indices.tolist()
