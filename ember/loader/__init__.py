@@ -11,7 +11,7 @@ from ember.loader.loaded_model import LoadedModel
 from ember.loader.resolve import resolve_model
 from ember.loader.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "Tokenizer", "load_model", "resolve_model"]
+__all__ = ["LoadedModel", "Tokenizer", "load_model", "load_tokenizer", "resolve_model"]
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
@@ -29,4 +29,18 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
         from ember.loader.gguf import load_gguf
 
         return load_gguf(path, dtype=dtype, device=device)
+    raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model, without reading its weights."""
+    path = resolve_model(model)
+    if path.is_dir():
+        from ember.loader.hf import load_hf_folder_tokenizer
+
+        return load_hf_folder_tokenizer(path)
+    if path.suffix.lower() == ".gguf":
+        from ember.loader.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     raise ModelLoadError(f"{path}: not a model folder or a .gguf file")

@@ -14,8 +14,9 @@ from gguf.quants import dequantize
 
 from ember.errors import ModelLoadError
 from ember.loader.gguf_reader import metadata_value, open_gguf
-from ember.loader.gguf_tokenizer import build_gguf_tokenizer
+from ember.loader.gguf_tokenizer import build_gguf_tokenizer, special_token_ids
 from ember.loader.loaded_model import LoadedModel
+from ember.loader.tokenizer import Tokenizer
 from ember.loader.weights import check_state_dict
 from ember.models.config import ModelConfig
 
@@ -86,6 +87,7 @@ def _hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     if rope_scaling not in ("none", None):
         raise ModelLoadError(f"{path}: rope scaling type {rope_scaling!r} is not supported")
     tokens = reader.get_field("tokenizer.ggml.tokens")
+    bos_token_id, eos_token_ids = special_token_ids(reader)
     config |= {
         "num_key_value_heads": get("attention.head_count_kv", num_heads),
         "head_dim": head_dim,
@@ -95,10 +97,8 @@ def _hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
         "vocab_size": get("vocab_size", len(tokens.data) if tokens is not None else None),
         # llama.cpp writes no output tensor when the model ties it to the embedding.
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-        "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [metadata_value(reader, f"tokenizer.ggml.{key}_token_id")
-                         for key in ("eos", "eot", "eom")
-                         if metadata_value(reader, f"tokenizer.ggml.{key}_token_id") is not None],
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_ids,
     }
     if config["vocab_size"] is None:
         raise ModelLoadError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor a tokenizer vocabulary")
@@ -168,8 +168,7 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
     try:
         config = ModelConfig.from_hf_config(_hf_config(reader, path), dtype=dtype, device=device)
         # The tokenizer first: it is the cheap part and the likelier to be unsupported.
-        tokenizer = build_gguf_tokenizer(reader, path, eos_token_ids=config.eos_token_ids,
-                                         bos_token_id=config.bos_token_id)
+        tokenizer = build_gguf_tokenizer(reader, path)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{path}: corrupt GGUF metadata ({exc})") from None
     rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
@@ -178,3 +177,11 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
         config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
     state_dict = _read_tensors(reader, path, config)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    reader = open_gguf(path)
+    try:
+        return build_gguf_tokenizer(reader, path)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata ({exc})") from None

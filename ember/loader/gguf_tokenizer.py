@@ -76,8 +76,13 @@ def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) ->
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
 
 
-def build_gguf_tokenizer(reader: GGUFReader, path: Path, *, eos_token_ids: list[int],
-                         bos_token_id: int | None) -> Tokenizer:
+def special_token_ids(reader: GGUFReader) -> tuple[int | None, list[int]]:
+    """(bos id, end-of-generation ids): llama.cpp stops on eos and also on eot/eom where a file names them."""
+    eos_ids = [metadata_value(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    return metadata_value(reader, "tokenizer.ggml.bos_token_id"), list(dict.fromkeys(i for i in eos_ids if i is not None))
+
+
+def build_gguf_tokenizer(reader: GGUFReader, path: Path) -> Tokenizer:
     model = metadata_value(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelLoadError(f"{path}: GGUF tokenizer model {model!r} is not supported "
@@ -113,5 +118,6 @@ def build_gguf_tokenizer(reader: GGUFReader, path: Path, *, eos_token_ids: list[
         return (name, vocab[name]) if wanted and name is not None and name in vocab else None
 
     hf_tokenizer.post_processor = _post_processor(framing("bos", "bos", False), framing("eos", "eos", False))
+    bos_token_id, eos_token_ids = special_token_ids(reader)
     return Tokenizer(hf_tokenizer, eos_token_ids=eos_token_ids, bos_token_id=bos_token_id,
                      special_tokens=special, chat_template=metadata_value(reader, "tokenizer.chat_template"))

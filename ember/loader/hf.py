@@ -27,10 +27,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
-def _unique(ids: list[int]) -> list[int]:
-    return list(dict.fromkeys(ids))
-
-
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -85,6 +81,22 @@ def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None
     return template if isinstance(template, str) else None
 
 
+def _special_token_ids(folder: Path, config: dict[str, Any]) -> tuple[int | None, list[int]]:
+    """(bos id, eos ids) from config.json plus generation_config.json, whose eos list is what generate() stops on."""
+    generation_file = folder / "generation_config.json"
+    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    eos = token_id_list(config.get("eos_token_id")) + token_id_list(generation.get("eos_token_id"))
+    bos = config.get("bos_token_id", generation.get("bos_token_id"))
+    return bos, list(dict.fromkeys(eos))
+
+
+def load_hf_folder_tokenizer(folder: Path) -> Tokenizer:
+    """Only the tokenizer of a Hugging Face folder (config.json, if present, supplies bos/eos ids)."""
+    config_file = folder / "config.json"
+    bos_token_id, eos_token_ids = _special_token_ids(folder, _read_json(config_file) if config_file.is_file() else {})
+    return load_hf_tokenizer(folder, eos_token_ids, bos_token_id)
+
+
 def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int | None) -> Tokenizer:
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -109,16 +121,11 @@ def load_hf_folder(folder: Path, dtype: str | torch.dtype = "auto", device: str 
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder} is not a model folder: no config.json")
-    config = ModelConfig.from_hf_config(_read_json(config_file), dtype=dtype, device=device)
-    generation_file = folder / "generation_config.json"
-    if generation_file.is_file():
-        generation = _read_json(generation_file)
-        eos = config.eos_token_ids + token_id_list(generation.get("eos_token_id"))
-        bos = config.bos_token_id if config.bos_token_id is not None else generation.get("bos_token_id")
-        config = replace(config, eos_token_ids=_unique(eos), bos_token_id=bos)
-    tokenizer = load_hf_tokenizer(folder, config.eos_token_ids, config.bos_token_id)
-    if not config.eos_token_ids:
-        config = replace(config, eos_token_ids=list(tokenizer.eos_token_ids))
+    config_dict = _read_json(config_file)
+    config = ModelConfig.from_hf_config(config_dict, dtype=dtype, device=device)
+    bos_token_id, eos_token_ids = _special_token_ids(folder, config_dict)
+    tokenizer = load_hf_tokenizer(folder, eos_token_ids, bos_token_id)
+    config = replace(config, bos_token_id=bos_token_id, eos_token_ids=list(tokenizer.eos_token_ids))
     state_dict = read_safetensors(_weight_files(folder), config.torch_dtype)
     state_dict = check_state_dict(config, state_dict, str(folder))
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(folder))

@@ -51,7 +51,8 @@ def hf_reference(smollm2_gguf_path: Path):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("meta"):  # only used to map tensor names: skip allocating and initializing weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True, model_to_load=model,
                                    torch_dtype=torch.float32)["tensors"]
     return config, tensors
