@@ -5,6 +5,7 @@ sessions whose later turns carry the whole history (earlier prompts and the serv
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -61,6 +62,20 @@ class LengthRange:
         return rng.randint(self.low, self.high)
 
 
+@functools.lru_cache(maxsize=4)
+def word_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Tokens that decode to " <letters>" and encode back to themselves (cached: a sweep reuses them)."""
+    vocab_ids = list(range(tokenizer.vocab_size))
+    texts = [tokenizer.decode([i]) for i in vocab_ids]
+    candidates = [i for i, t in zip(vocab_ids, texts, strict=True)
+                  if len(t) >= 3 and t[0] == " " and t[1:].isascii() and t[1:].isalpha()]
+    encoded = tokenizer.encode_batch([texts[i] for i in candidates], add_special_tokens=False)
+    words = [i for i, ids in zip(candidates, encoded, strict=True) if ids == [i]]
+    if len(words) < 100:
+        raise EmberError("the tokenizer has too few whole-word tokens to build random prompts")
+    return tuple(words)
+
+
 class PromptGenerator:
     """Random text with an exact token count under a given tokenizer.
 
@@ -70,18 +85,7 @@ class PromptGenerator:
     def __init__(self, tokenizer: Tokenizer, rng: random.Random) -> None:
         self.tokenizer = tokenizer
         self.rng = rng
-        self.word_ids = self._word_token_ids()
-
-    def _word_token_ids(self) -> list[int]:
-        vocab_ids = list(range(self.tokenizer.vocab_size))
-        texts = [self.tokenizer.decode([i]) for i in vocab_ids]
-        candidates = [i for i, t in zip(vocab_ids, texts, strict=True)
-                      if len(t) >= 3 and t[0] == " " and t[1:].isascii() and t[1:].isalpha()]
-        encoded = self.tokenizer.encode_batch([texts[i] for i in candidates], add_special_tokens=False)
-        words = [i for i, ids in zip(candidates, encoded, strict=True) if ids == [i]]
-        if len(words) < 100:
-            raise EmberError("the tokenizer has too few whole-word tokens to build random prompts")
-        return words
+        self.word_ids = word_token_ids(tokenizer)
 
     def count(self, text: str) -> int:
         """Tokens the server sees for `text` sent as a completion prompt (special tokens included)."""
