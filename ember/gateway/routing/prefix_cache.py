@@ -36,22 +36,27 @@ from ember.gateway.routing.base import Choice, PolicyOptions, least_utilized, pa
 
 
 class PrefixCacheOptions(PolicyOptions):
-    block_chars: int = Field(default=16, ge=1, description="Characters per hashed prompt block")
+    # ~16 tokens of English: the granularity at which ember and vLLM reuse KV-cache blocks.
+    block_chars: int = Field(default=64, ge=1, description="Characters per hashed prompt block")
     cache_threshold: float = Field(
         default=0.3, ge=0, le=1, description="Min matched fraction of the prompt to follow the cache"
     )
     balance_abs_threshold: int = Field(default=4, ge=0, description="Requests in flight above the least loaded")
     balance_rel_threshold: float = Field(default=1.5, ge=1, description="...and this many times its count")
-    max_blocks_per_replica: int = Field(default=65_536, gt=0, description="LRU bound of tracked blocks")
+    max_blocks_per_replica: int = Field(default=16_384, gt=0, description="LRU bound of tracked blocks")
 
 
 class PrefixIndex:
-    """Which replica was sent which prompt prefixes, as chained block hashes with per-replica LRU."""
+    """Which replica was sent which prompt prefixes, as chained block hashes with per-replica LRU.
+
+    Invariant: a replica holding a block holds every block before it in the chain (recording a
+    prompt touches its shorter prefixes last, so eviction never takes a block before its
+    descendants). Holding is therefore monotone along a prompt, and the matched length is found by
+    binary search: O(log blocks) lookups per replica."""
 
     def __init__(self, block_chars: int, max_blocks_per_replica: int):
         self.block_chars = block_chars
         self.max_blocks_per_replica = max_blocks_per_replica
-        self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
 
     def block_hashes(self, text: str) -> list[int]:
@@ -66,42 +71,34 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Leading blocks of `hashes` each replica holds."""
-        matched = dict.fromkeys(replica_ids, 0)
-        alive = set(matched)
-        for depth, block in enumerate(hashes, start=1):
-            alive &= self._owners.get(block, set())
-            if not alive:
-                break
-            for replica_id in alive:
-                matched[replica_id] = depth
+        matched = {}
+        for replica_id in replica_ids:
+            held = self._lru.get(replica_id)
+            low, high = 0, len(hashes) if held else 0
+            while low < high:  # the longest prefix whose last block is held
+                middle = (low + high + 1) // 2
+                if hashes[middle - 1] in held:
+                    low = middle
+                else:
+                    high = middle - 1
+            matched[replica_id] = low
         return matched
 
     def insert(self, hashes: Sequence[int], replica_id: str) -> None:
         lru = self._lru.setdefault(replica_id, OrderedDict())
         for block in reversed(hashes):
-            if block in lru:
-                lru.move_to_end(block)
-            else:
-                lru[block] = None
-                self._owners.setdefault(block, set()).add(replica_id)
+            lru[block] = None
+            lru.move_to_end(block)
         while len(lru) > self.max_blocks_per_replica:
-            evicted, _ = lru.popitem(last=False)
-            self._drop_owner(evicted, replica_id)
+            lru.popitem(last=False)
 
     def forget(self, replica_id: str) -> None:
         """Drop everything recorded for a replica (it restarted, so its KV cache is empty)."""
-        for block in self._lru.pop(replica_id, ()):
-            self._drop_owner(block, replica_id)
+        self._lru.pop(replica_id, None)
 
     def size(self, replica_id: str) -> int:
         lru = self._lru.get(replica_id)
         return len(lru) if lru is not None else 0
-
-    def _drop_owner(self, block: int, replica_id: str) -> None:
-        owners = self._owners[block]
-        owners.discard(replica_id)
-        if not owners:
-            del self._owners[block]
 
 
 class PrefixCachePolicy:
