@@ -1,7 +1,8 @@
-"""Rebuild a byte-level BPE `tokenizers.Tokenizer` (and chat template) from a GGUF file's tokenizer metadata.
+"""Rebuild a `tokenizers.Tokenizer` (and chat template) from a GGUF file's tokenizer metadata.
 
-A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` keys: the vocabulary, merges,
-per-token types and special ids. The result matches what transformers builds from the same file."""
+A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` keys: the vocabulary, merges
+(byte-level BPE) or scores (SentencePiece BPE), per-token types and special ids. The result matches
+what transformers builds from the same file."""
 
 from __future__ import annotations
 
@@ -82,17 +83,48 @@ def special_token_ids(reader: GGUFReader) -> tuple[int | None, list[int]]:
     return metadata_value(reader, "tokenizer.ggml.bos_token_id"), list(dict.fromkeys(i for i in eos_ids if i is not None))
 
 
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece files list no merges; every split of a token into two vocabulary pieces is one,
+    ranked by the token's score (higher first), then by longer pieces (as transformers ranks them)."""
+    merges: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        pairs = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges.extend(sorted(pairs, key=lambda pair: (vocab[pair[0]], vocab[pair[1]])))
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> tokenizers.Tokenizer:
+    """Llama 2 / Mistral style: "▁" marks spaces, unknown characters fall back to <0xNN> byte tokens."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=_merges_from_scores(vocab, dict(zip(tokens, scores, strict=True))), fuse_unk=True, byte_fallback=True,
+                     dropout=None)
+    tokenizer = tokenizers.Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(content=" ", left=1)])
+    return tokenizer
+
+
 def build_gguf_tokenizer(reader: GGUFReader, path: Path) -> Tokenizer:
     model = metadata_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(f"{path}: GGUF tokenizer model {model!r} is not supported "
-                             f"(supported: 'gpt2', byte-level BPE)")
     tokens: list[str] = metadata_value(reader, "tokenizer.ggml.tokens") or []
-    merges: list[str] = metadata_value(reader, "tokenizer.ggml.merges") or []
-    if not tokens or not merges:
-        raise ModelLoadError(f"{path}: GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    if model == "gpt2":
+        merges: list[str] = metadata_value(reader, "tokenizer.ggml.merges") or []
+        if not tokens or not merges:
+            raise ModelLoadError(f"{path}: GGUF tokenizer metadata lacks tokenizer.ggml.tokens or "
+                                 f"tokenizer.ggml.merges")
+        hf_tokenizer = _byte_level_bpe(tokens, merges, metadata_value(reader, "tokenizer.ggml.pre"))
+    elif model == "llama":
+        scores: list[float] = metadata_value(reader, "tokenizer.ggml.scores") or []
+        if not tokens or len(scores) != len(tokens):
+            raise ModelLoadError(f"{path}: GGUF tokenizer metadata lacks tokenizer.ggml.tokens or "
+                                 f"tokenizer.ggml.scores")
+        hf_tokenizer = _sentencepiece_bpe(tokens, scores)
+    else:
+        raise ModelLoadError(f"{path}: GGUF tokenizer model {model!r} is not supported "
+                             f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
     token_types: list[int] = metadata_value(reader, "tokenizer.ggml.token_type") or []
-    hf_tokenizer = _byte_level_bpe(tokens, merges, metadata_value(reader, "tokenizer.ggml.pre"))
 
     def token(key: str) -> str | None:
         index = metadata_value(reader, f"tokenizer.ggml.{key}_token_id")
@@ -112,12 +144,14 @@ def build_gguf_tokenizer(reader: GGUFReader, path: Path) -> Tokenizer:
                              for t, kind in zip(tokens, token_types, strict=False)
                              if kind == _USER_DEFINED and t in vocab])
 
-    def framing(key: str, flag: str, default: bool) -> tuple[str, int] | None:
-        name = special[f"{key}_token"]
-        wanted = metadata_value(reader, f"tokenizer.ggml.add_{flag}_token", default)
+    def framing(name: str | None, flag: str, default: bool) -> tuple[str, int] | None:
+        wanted = metadata_value(reader, f"tokenizer.ggml.{flag}", default)
         return (name, vocab[name]) if wanted and name is not None and name in vocab else None
 
-    hf_tokenizer.post_processor = _post_processor(framing("bos", "bos", False), framing("eos", "eos", False))
+    # SentencePiece vocabularies that do not say otherwise get BOS, as llama.cpp and transformers do.
+    hf_tokenizer.post_processor = _post_processor(
+        framing(special["bos_token"], "add_bos_token", default=model == "llama"),
+        framing(special["eos_token"], "add_eos_token", default=False))
     bos_token_id, eos_token_ids = special_token_ids(reader)
     return Tokenizer(hf_tokenizer, eos_token_ids=eos_token_ids, bos_token_id=bos_token_id,
                      special_tokens=special, chat_template=metadata_value(reader, "tokenizer.chat_template"))

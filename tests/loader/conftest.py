@@ -45,6 +45,18 @@ def tiny_vocab() -> list[str]:
     return _SPECIALS + _byte_symbols() + [merge.replace(" ", "") for merge in _MERGES]
 
 
+# A tiny SentencePiece vocabulary (Llama 2 style): <unk>, <s>, </s>, 256 byte tokens, scored pieces.
+_SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "é", "▁h", "he", "ll", "lo", "▁he", "llo", "▁hel",
+               "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "▁é"]
+
+
+def tiny_spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES
+    scores = [0.0] * 259 + [-float(i) for i in range(len(_SPM_PIECES))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)  # unknown, control, byte, normal
+    return tokens, scores, types
+
+
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py's q/k row permutation (HF rotary halves -> interleaved pairs)."""
     return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2) \
@@ -74,7 +86,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
     d = TINY_GGUF_DIMS
     hidden, inter, heads, kv_heads = d["hidden"], d["intermediate"], d["heads"], d["kv_heads"]
     head_dim = hidden // heads
-    vocab = tiny_vocab()
+    vocab = tiny_spm_vocab()[0] if tokenizer_model == "llama" else tiny_vocab()
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": ("model.embed_tokens.weight", (len(vocab), hidden)),
               "output_norm.weight": ("model.norm.weight", (hidden,))}
@@ -108,14 +120,20 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(len(vocab))
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab)
-    writer.add_token_types([3] * len(_SPECIALS) + [1] * (len(vocab) - len(_SPECIALS)))
-    writer.add_token_merges(_MERGES)
+    if tokenizer_model == "llama":
+        _, scores, types = tiny_spm_vocab()
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+    else:
+        writer.add_tokenizer_pre("default")
+        writer.add_token_types([3] * len(_SPECIALS) + [1] * (len(vocab) - len(_SPECIALS)))
+        writer.add_token_merges(_MERGES)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     expected: dict[str, torch.Tensor] = {}

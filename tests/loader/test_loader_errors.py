@@ -80,8 +80,8 @@ def test_unsupported_quant_type(gguf_writer) -> None:
 
 
 def test_unsupported_tokenizer_model(gguf_writer) -> None:
-    with pytest.raises(ModelLoadError, match="GGUF tokenizer model 'llama' is not supported"):
-        load_model(gguf_writer(tokenizer_model="llama").path)
+    with pytest.raises(ModelLoadError, match="GGUF tokenizer model 'bert' is not supported"):
+        load_model(gguf_writer(tokenizer_model="bert").path)
 
 
 @pytest.mark.parametrize("keep_fraction", [0.0, 0.001, 0.3, 0.9, 0.999])

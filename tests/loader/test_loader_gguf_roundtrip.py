@@ -103,3 +103,20 @@ def test_llama3_rope_frequency_factors_become_rope_scaling(gguf_writer) -> None:
                       rope_freqs=llama3_rope_factors(500000.0, 16, factor=8.0, high_freq_factor=2.0))
     with pytest.raises(ModelLoadError, match="rope_freqs.weight holds rope frequency factors that are not Llama 3"):
         load_model(odd.path)
+
+
+def test_sentencepiece_tokenizer_matches_transformers(gguf_writer) -> None:
+    from transformers import AutoTokenizer
+
+    tiny = gguf_writer("spm.gguf", tokenizer_model="llama")
+    tokenizer = load_model(tiny.path, dtype="float32").tokenizer
+    assert tokenizer.encode("hello world") == [1, tiny.vocab.index("▁hello"), tiny.vocab.index("▁world")]
+    # Characters outside the vocabulary fall back to their UTF-8 bytes.
+    assert tokenizer.encode("hi€", add_special_tokens=False) == [
+        tiny.vocab.index("▁h"), tiny.vocab.index("<0x69>"), *(tiny.vocab.index(f"<0x{b:02X}>") for b in "€".encode())]
+    reference = AutoTokenizer.from_pretrained(tiny.path.parent, gguf_file=tiny.path.name)
+    for text in ["hello world", " hello  world ", "héllo wörld 😀", "hello</s><s>world", "\n\thello\n", "é é"]:
+        ids = tokenizer.encode(text)
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
