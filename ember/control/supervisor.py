@@ -107,6 +107,8 @@ class Supervisor:
                 self.log(f"{child.spec.name} could not start: {exc}")
                 returncode = None
             else:
+                if self._stopping.is_set():  # the stop came while it was being spawned: run() missed it
+                    asyncio.ensure_future(self._stop_child(child))
                 child.starts += 1
                 self.log(f"{child.spec.name} started (pid {child.process.pid}): ember {shlex.join(child.spec.argv[3:])}")
                 ready = asyncio.create_task(self._report_ready(child, child.process))

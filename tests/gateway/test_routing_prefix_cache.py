@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ember.gateway.config import parse_config
 from ember.gateway.replicas import ReplicaPool
 from ember.gateway.request_context import RequestContext
@@ -128,3 +131,24 @@ def test_ejecting_a_replica_forgets_its_prefixes():
     # tracking fewer blocks, which is now the restarted one (it tracks none).
     assert route(router, chat(SYSTEM, "q again")) == (holder, "cache-miss")
     assert route(router, chat(SYSTEM, "and again")) == (holder, "cache-hit")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(st.text(alphabet="ab", min_size=0, max_size=40), min_size=1, max_size=30),
+    capacity=st.integers(min_value=1, max_value=12),
+)
+def test_binary_search_match_equals_a_linear_scan_under_any_insert_and_evict_sequence(prompts, capacity):
+    """The index's invariant (a held block implies its whole chain before it is held, even after LRU
+    evictions) is what lets `match` binary-search; check it against the plain definition."""
+    index = PrefixIndex(block_chars=4, max_blocks_per_replica=capacity)
+    for prompt in prompts:
+        index.insert(index.block_hashes(prompt), "r0")
+    held = index._lru["r0"]
+    for prompt in prompts:
+        hashes = index.block_hashes(prompt)
+        linear = 0
+        while linear < len(hashes) and hashes[linear] in held:
+            linear += 1
+        assert index.match(hashes, ["r0"]) == {"r0": linear}
+        assert all(block not in held for block in hashes[linear:])  # nothing held past the first miss
