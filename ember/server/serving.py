@@ -248,6 +248,9 @@ class OpenAIServing:
             yield sse_event(exc.body())
             yield DONE
         finally:
+            if record.completion_tokens is None:  # ended early (client gone): log what was sent
+                record.completion_tokens = sum(generated)
+                record.finish_reason = record.finish_reason or "abort"
             await merged.aclose()
 
     # ---- logprobs -----------------------------------------------------------------------------------

@@ -137,16 +137,9 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture
-def start_server(tmp_path: Path) -> Iterator:
-    """Start extra servers for one test; they are stopped (SIGTERM) at its end."""
-    started: list[ServerProcess] = []
-
-    def start(model_dir: Path, *extra_args: str) -> ServerProcess:
-        process = ServerProcess(model_dir, tmp_path / f"serve-{len(started)}.log", *extra_args)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        process.stop()
+@pytest.fixture(scope="session")
+def launch_server(tmp_path_factory: pytest.TempPathFactory):
+    """Start another `ember serve` (model dir, extra flags); the caller stops it."""
+    def launch(model_dir: Path, *extra_args: str) -> ServerProcess:
+        return ServerProcess(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *extra_args)
+    return launch

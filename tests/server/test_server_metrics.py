@@ -1,0 +1,84 @@
+"""/metrics: parses with prometheus_client, carries vLLM's names under ember: and vllm:, moves with traffic."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL_NAME = "tiny"
+PROMPT = "In the beginning the universe was created. This has made a lot of people very angry and been " \
+         "widely regarded as a bad move."
+
+# What llm-d's router / the Gateway API inference extension and vLLM dashboards read.
+REQUIRED = [
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+    "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+    "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+    "request_queue_time_seconds_count", "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+]
+
+
+@pytest.fixture(scope="module")
+def client(server, api_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def test_metrics_parse_and_carry_both_prefixes(server):
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = server.metrics()
+    for name in REQUIRED:
+        for prefix in ("ember:", "vllm:"):
+            assert any(key.startswith(prefix + name + "{") for key in samples), prefix + name
+    assert any(key.startswith("vllm:gpu_cache_usage_perc{") for key in samples)
+    assert any(key.startswith("vllm:lora_requests_info{") for key in samples)
+
+
+def test_counters_and_histograms_move_with_traffic(server, auth, client):
+    metric = server.metric
+    prompt_len = len(httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=auth).json()["tokens"])
+    before = server.metrics()
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    for prefix in ("ember:", "vllm:"):
+        assert delta(prefix + "generation_tokens_total") == 7
+        assert delta(prefix + "prompt_tokens_total") == prompt_len
+        assert delta(prefix + "prefix_cache_queries_total") == prompt_len
+        assert delta(prefix + "request_success_total", finished_reason="length") == 1
+        assert delta(prefix + "time_to_first_token_seconds_count") == 1
+        assert delta(prefix + "e2e_request_latency_seconds_count") == 1
+        assert delta(prefix + "request_generation_tokens_sum") == 7
+        assert delta(prefix + "request_prompt_tokens_sum") == prompt_len
+        assert delta(prefix + "time_to_first_token_seconds_sum") > 0
+    assert metric(after, "vllm:num_requests_running") == 0
+    assert metric(after, "vllm:num_requests_waiting") == 0
+
+    # A streamed request observes the interval between consecutive tokens: 7 tokens, 6 intervals.
+    before = server.metrics()
+    list(client.completions.create(model=MODEL_NAME, prompt=PROMPT + " Again.", max_tokens=7, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    after = server.metrics()
+    assert delta("vllm:inter_token_latency_seconds_count") == 6
+    assert delta("vllm:time_per_output_token_seconds_count") == 6
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    prompt = PROMPT * 3  # several full KV blocks
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    before = server.metrics()
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    after = server.metrics()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert cached >= first.usage.prompt_tokens_details.cached_tokens
+    hits = server.metric(after, "vllm:prefix_cache_hits_total") - server.metric(before, "vllm:prefix_cache_hits_total")
+    assert hits == cached
