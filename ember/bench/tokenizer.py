@@ -5,14 +5,18 @@ generated text when a server sends no `usage`."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ember.errors import EmberError, ModelLoadError
 from ember.loader import Tokenizer, load_model, resolve_model
 
 
+@functools.lru_cache(maxsize=4)
 def load_bench_tokenizer(name: str) -> Tokenizer:
-    """A model alias, a Hugging Face folder (only its tokenizer files are read) or a .gguf file."""
+    """A model alias, a Hugging Face folder (only its tokenizer files are read) or a .gguf file.
+
+    Cached: tokenizers are read-only, and a process that runs several benchmarks loads each once."""
     try:
         path = resolve_model(name)
         if path.is_dir():
