@@ -120,12 +120,16 @@ class JobWorkerPool:
         deadline_s = self.config.default_max_time_in_queue_s
         if job.attempts == 1:
             deadline_s = max(job.created_at + job.max_time_in_queue_s - time.time(), 0.001)
+        retry_after_s = RETRY_DELAY_S * job.attempts
         try:
             status, body = await self.dispatch(job, deadline_s)
         except asyncio.CancelledError:
             raise
         except GatewayError as exc:
             status, body = exc.status, exc.to_dict()
+            retry_after = exc.headers.get("retry-after", "")
+            if retry_after.isdigit():  # a rate limit says when the key has room again
+                retry_after_s = max(retry_after_s, float(retry_after))
             if exc.status == 408 and job.attempts == 1:
                 await self._finish(
                     job,
@@ -153,7 +157,7 @@ class JobWorkerPool:
         error = dict(error or error_body(status, f"upstream answered HTTP {status}", "server_error", None))
         error["status"] = status
         if status in RETRYABLE_STATUSES and job.attempts < self.config.max_attempts:
-            if await self.store.requeue_job(job.id, error, time.time() + RETRY_DELAY_S * job.attempts):
+            if await self.store.requeue_job(job.id, error, time.time() + retry_after_s):
                 return
         await self._finish(job, "failed", status, body, error)
 
