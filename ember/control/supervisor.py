@@ -28,6 +28,7 @@ from ember.control.fleet import ChildSpec, Fleet, RestartPolicy
 
 PR_SET_PDEATHSIG = 1
 READY_POLL_S = 0.5
+OUTPUT_LINE_LIMIT = 1 << 20
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -102,19 +103,22 @@ class Supervisor:
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    limit=OUTPUT_LINE_LIMIT,
                 )
             except OSError as exc:
                 self.log(f"{child.spec.name} could not start: {exc}")
                 returncode = None
             else:
-                if self._stopping.is_set():  # the stop came while it was being spawned: run() missed it
-                    asyncio.ensure_future(self._stop_child(child))
+                # A stop that came while it was being spawned found no process to signal: stop it now.
+                late_stop = asyncio.create_task(self._stop_child(child)) if self._stopping.is_set() else None
                 child.starts += 1
                 self.log(f"{child.spec.name} started (pid {child.process.pid}): ember {shlex.join(child.spec.argv[3:])}")
                 ready = asyncio.create_task(self._report_ready(child, child.process))
                 await self._copy_output(child, child.process)
                 returncode = await child.process.wait()
                 ready.cancel()
+                if late_stop is not None:
+                    await late_stop
             if self._stopping.is_set():
                 break
             uptime = loop.time() - started
@@ -129,7 +133,13 @@ class Supervisor:
     async def _copy_output(self, child: _Child, process: asyncio.subprocess.Process) -> None:
         prefix = f"[{child.spec.name}] "
         assert process.stdout is not None
-        while line := await process.stdout.readline():
+        while True:
+            try:
+                line = await process.stdout.readline()
+            except ValueError:  # a line beyond the reader's limit: pass it on in pieces
+                line = await process.stdout.read(OUTPUT_LINE_LIMIT)
+            if not line:
+                return
             self._out.write(prefix + line.decode(errors="replace").rstrip("\n") + "\n")
             self._out.flush()
 
