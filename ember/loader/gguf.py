@@ -102,8 +102,6 @@ def _hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     }
     if config["vocab_size"] is None:
         raise ModelLoadError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor a tokenizer vocabulary")
-    if arch == "qwen2":
-        config["sliding_window"] = get("attention.sliding_window")
     return config
 
 

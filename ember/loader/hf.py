@@ -22,9 +22,12 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"cannot read {path}: expected a JSON object")
+    return value
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -52,7 +55,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.T
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open objects are not iterable
+                for name in f.keys():
                     state_dict[name] = f.get_tensor(name).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read weights {file}: {exc}") from None
@@ -120,7 +123,9 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
 def load_hf_folder(folder: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ModelLoadError(f"{folder} is not a model folder: no config.json")
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass that file instead)" if ggufs else ""
+        raise ModelLoadError(f"{folder} is not a model folder: no config.json{hint}")
     config_dict = _read_json(config_file)
     config = ModelConfig.from_hf_config(config_dict, dtype=dtype, device=device)
     bos_token_id, eos_token_ids = _special_token_ids(folder, config_dict)

@@ -103,19 +103,37 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list[dict[str, Any]] | None = None,
-                            **template_kwargs: Any) -> str | list[int]:
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str | list[int]:
         """Render `messages` with the model's chat template (as transformers does).
 
+        `continue_final_message` leaves the last message open, so the model continues it (a prefill).
         Raises ValueError when the model has no template or the template rejects the conversation."""
         if self._compiled_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         context = {**self.special_tokens, **template_kwargs}
         try:
             text = self._compiled_template.render(messages=list(messages), tools=tools,
                                                   add_generation_prompt=add_generation_prompt, **context)
         except (jinja2.exceptions.TemplateError, TypeError) as exc:
             raise ValueError(f"chat template error: {exc}") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         if tokenize:
             # The template writes the special tokens itself.
             return self.encode(text, add_special_tokens=False)
         return text
+
+
+def _cut_after_final_message(text: str, messages: Sequence[dict[str, Any]]) -> str:
+    """Drop what the template writes after the last message's content (its end-of-turn marker)."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # content parts: continue the last text part
+        final = next((part.get("text") for part in reversed(final) if isinstance(part, dict) and "text" in part), None)
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message needs a final message with text content")
+    for candidate in (final, final.strip()):
+        if candidate and candidate in text:
+            return text[: text.rindex(candidate) + len(candidate)]
+    raise ValueError("continue_final_message is set but the final message does not appear in the rendered chat")

@@ -75,3 +75,16 @@ def test_load_tokenizer_without_weights(tiny_model_dir: Path, tmp_path: Path, gg
 
     tiny = gguf_writer()
     assert load_tokenizer(tiny.path).encode("hello", add_special_tokens=False) == [tiny.vocab.index("hello")]
+
+
+def test_continue_final_message(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is "}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.endswith("<|im_start|>assistant\nThe color is ")
+    assert rendered == reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
