@@ -36,6 +36,9 @@ from ember.gateway.jobs.store import Job, JobStore
 logger = logging.getLogger("ember.gateway.webhooks")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+# Deliveries in flight at once; the rest wait their turn (a burst of finished jobs must not open
+# thousands of connections).
+MAX_CONCURRENT_DELIVERIES = 32
 
 
 class WebhookURLError(ValueError):
@@ -172,6 +175,7 @@ class WebhookSender:
         self.master_secret = config.signing_secret or ""
         self._client: httpx.AsyncClient | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_DELIVERIES)
 
     async def start(self) -> None:
         if not self.master_secret:
@@ -219,7 +223,8 @@ class WebhookSender:
         attempt = await self.store.webhook_attempt_count(job.id)
         while attempt < self.config.max_attempts:
             attempt += 1
-            status_code, error = await self._post_once(job.webhook_url, message_id, secret, body)
+            async with self._slots:
+                status_code, error = await self._post_once(job.webhook_url, message_id, secret, body)
             delivered = status_code is not None and 200 <= status_code < 300
             last = delivered or attempt >= self.config.max_attempts
             final = ("delivered" if delivered else "failed") if last else None
