@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 
-import aiohttp
 import orjson
 
 from ember.gateway.admission_queue import AdmissionQueue
 from ember.gateway.config import GatewayConfig
 from ember.gateway.errors import GatewayError, bad_request, unavailable
 from ember.gateway.health import HealthProber
+from ember.gateway.http_client import UpstreamResponse
 from ember.gateway.keys import KeyRing, KeyStore, Principal
 from ember.gateway.metrics import GatewayMetrics
 from ember.gateway.proxy import (
@@ -201,7 +201,7 @@ class Dispatcher:
             route = ctx.extra.get("route")
             reason = route.reason if route is not None else ""
             self.metrics.routing_decisions.labels(ctx.model, routing_policy, replica.id, reason).inc()
-            response: aiohttp.ClientResponse | None = None
+            response: UpstreamResponse | None = None
             try:
                 response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))
                 if response.status >= 500:
@@ -256,7 +256,7 @@ class Dispatcher:
             "upstream_error",
         )
 
-    def _headers(self, response: aiohttp.ClientResponse, admission: Admission) -> dict[str, str]:
+    def _headers(self, response: UpstreamResponse, admission: Admission) -> dict[str, str]:
         headers = self.limiter.headers(admission.limits)
         headers["content-type"] = response.headers.get("content-type", "application/json")
         return headers

@@ -13,10 +13,11 @@ import aiohttp
 import orjson
 
 from ember.gateway.config import TimeoutsConfig
+from ember.gateway.http_client import HttpClient, UpstreamResponse
 from ember.gateway.replicas import Replica
 
 DONE = b"[DONE]"
-JSON_HEADERS = {"content-type": "application/json"}
+ENDPOINT_PATHS = {"chat/completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
 
 
 class UpstreamFailure(Exception):
@@ -32,25 +33,30 @@ class UpstreamFailure(Exception):
         self.body = body
 
 
+UPSTREAM_ERRORS = (OSError, TimeoutError)  # ConnectionError and socket.gaierror are OSErrors
+
+
 def classify(exc: BaseException) -> UpstreamFailure:
     """Map a client exception to a failure with a short reason (a metrics label)."""
-    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
-        return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionResetError):
-        return UpstreamFailure("disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True)
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return UpstreamFailure("disconnected", f"response cut short: {exc}", eject_now=True)
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(exc, TimeoutError):
         return UpstreamFailure("timeout", "timed out waiting for the replica", eject_now=False)
+    if isinstance(exc, ConnectionRefusedError):
+        return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
+    if isinstance(exc, ConnectionError):
+        return UpstreamFailure("disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True)
+    if isinstance(exc, OSError):
+        return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
     return UpstreamFailure("error", f"{type(exc).__name__}: {exc}", eject_now=False)
 
 
 class UpstreamClient:
-    """One long-lived connection pool to all replicas."""
+    """Long-lived connection pools to all replicas: the lean HttpClient for proxied requests, an
+    aiohttp session for the low-rate side traffic (health probes, metrics scrapes)."""
 
     def __init__(self, timeouts: TimeoutsConfig):
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
+        self._http = HttpClient(timeouts.connect_s, timeouts.read_s)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
@@ -66,6 +72,7 @@ class UpstreamClient:
         )
 
     async def close(self) -> None:
+        self._http.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -76,11 +83,11 @@ class UpstreamClient:
             raise RuntimeError("UpstreamClient.start() was not awaited")
         return self._session
 
-    async def post(self, replica: Replica, endpoint: str, body: bytes) -> aiohttp.ClientResponse:
+    async def post(self, replica: Replica, endpoint: str, body: bytes) -> UpstreamResponse:
         """Send the request; response headers received. Raises UpstreamFailure."""
         try:
-            return await self.session.post(f"{replica.url}/v1/{endpoint}", data=body, headers=JSON_HEADERS)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body)
+        except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
 
 
@@ -138,7 +145,7 @@ class UpstreamResult:
         headers: dict[str, str],
         *,
         body: bytes = b"",
-        response: aiohttp.ClientResponse | None = None,
+        response: UpstreamResponse | None = None,
         parser: SSEParser | None = None,
         pending: list[bytes] | None = None,
         strip_usage_chunk: bool = False,
@@ -172,11 +179,11 @@ class UpstreamResult:
                     return
                 if self._keep(payload):
                     yield payload
-            content = self._response.content
+            response = self._response
             while True:
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    chunk = await response.readany()
+                except UPSTREAM_ERRORS as exc:
                     self.failure = classify(exc)
                     yield stream_error_payload(f"The replica failed mid-stream ({self.failure.detail}).")
                     return
@@ -215,12 +222,12 @@ class UpstreamResult:
             finisher(self, outcome, self.usage)
 
 
-async def read_first_events(response: aiohttp.ClientResponse, parser: SSEParser) -> list[bytes]:
+async def read_first_events(response: UpstreamResponse, parser: SSEParser) -> list[bytes]:
     """Read until at least one complete event arrives (still retryable until it does)."""
     while True:
         try:
-            chunk = await response.content.readany()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            chunk = await response.readany()
+        except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
         if not chunk:
             raise UpstreamFailure("disconnected", "stream ended before its first event", eject_now=False)
@@ -229,11 +236,10 @@ async def read_first_events(response: aiohttp.ClientResponse, parser: SSEParser)
             return payloads
 
 
-async def read_body(response: aiohttp.ClientResponse) -> bytes:
+async def read_body(response: UpstreamResponse) -> bytes:
     try:
         return await response.read()
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+    except UPSTREAM_ERRORS as exc:
+        response.close()
         raise classify(exc) from None
-    finally:
-        response.release()
 
