@@ -92,3 +92,55 @@ def test_tokenizer_matches_transformers(tiny_model_dir: Path) -> None:
             reference.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt, tokenize=False))
     assert tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=True) == reference.apply_chat_template(
         CONVERSATION[1:2], add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _save_with_tokenizer(model, folder: Path, tiny_model_dir: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return folder
+
+
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama3"])
+def test_other_families(family: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import transformers
+
+    if family == "qwen2":
+        config = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False, eos_token_id=[2, 0])
+        model = transformers.Qwen2ForCausalLM(config)
+    elif family == "mistral":
+        config = transformers.MistralConfig(**SMALL, sliding_window=4096)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+        config = transformers.LlamaConfig(**SMALL, rope_parameters=rope, attention_bias=True)
+        model = transformers.LlamaForCausalLM(config)
+    folder = _save_with_tokenizer(model, tmp_path / family, tiny_model_dir)
+    loaded = load_model(folder, dtype="float32")
+    reference = model.state_dict()
+    if loaded.config.tie_word_embeddings:
+        reference.pop("lm_head.weight")
+    assert sorted(loaded.state_dict) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(loaded.state_dict[name], tensor), name
+
+    config = loaded.config
+    if family == "qwen2":
+        assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias
+        assert "model.layers.0.self_attn.q_proj.bias" in loaded.state_dict
+        assert "model.layers.0.self_attn.o_proj.bias" not in loaded.state_dict
+        assert not config.tie_word_embeddings and config.eos_token_ids == [2, 0]
+        assert config.max_position_embeddings == 8192  # use_sliding_window is off
+    elif family == "mistral":
+        # Full attention equals sliding-window attention while the context fits in the window.
+        assert config.architecture == "MistralForCausalLM" and config.max_position_embeddings == 4096
+    else:
+        assert config.rope_theta == 500000.0 and config.attention_bias
+        assert "model.layers.0.self_attn.o_proj.bias" in loaded.state_dict
+        assert config.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
