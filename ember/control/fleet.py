@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ember.errors import EmberError
-from ember.gateway.config import GatewayConfig, format_location, load_config
+from ember.gateway.config import GatewayConfig, GatewayConfigError, format_location, load_config
+from ember.gateway.replicas import ReplicaPool
+from ember.gateway.router import Router
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -91,6 +93,10 @@ class Fleet:
 def load_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     gateway = load_config(path)  # the gateway's own validation, exactly as `ember gateway` will do it
+    try:  # routing options are checked when the gateway builds its router: check them now, not in a crash loop
+        Router(gateway, ReplicaPool.from_config(gateway))
+    except GatewayConfigError as exc:
+        raise FleetError(f"{path}: {exc}") from None
     try:
         launch = LaunchConfig.model_validate(gateway.launch or {})
     except ValidationError as exc:

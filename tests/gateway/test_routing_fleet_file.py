@@ -34,20 +34,20 @@ def write_fleet(tmp_path: Path, model_dir: Path, gateway_port: int, replica_port
     return path
 
 
-def test_fleet_file_derives_each_replica_command_from_the_models_section(tmp_path, tiny_model_dir):
-    path = write_fleet(tmp_path, tiny_model_dir, 18500, 18501)
+def test_fleet_file_derives_each_replica_command_from_the_models_section(tmp_path):
+    path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501)
     fleet = load_fleet(path)
     gateway, replica = fleet.children
     assert gateway.argv[3:] == ["gateway", "--config", str(path.resolve()), "--host", "127.0.0.1", "--port", "18500"]
     assert replica.name == "replica-18501" and replica.health_url == "http://127.0.0.1:18501/health"
-    assert replica.argv[3:11] == ["serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "18501",
+    assert replica.argv[3:11] == ["serve", "--model", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", "18501",
                                   "--served-model-name"]  # fmt: skip
     assert replica.argv[11] == "tiny-v1"  # what the gateway sends upstream as `model`
     assert replica.argv[-4:] == ["--dtype", "float32", "--kv-cache-memory", "0.02"]
 
 
-def test_fleet_file_errors_name_the_bad_field(tmp_path, tiny_model_dir):
-    path = write_fleet(tmp_path, tiny_model_dir, 18500, 18501, restart={"initial_backoff_s": 0})
+def test_fleet_file_errors_name_the_bad_field(tmp_path):
+    path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501, restart={"initial_backoff_s": 0})
     with pytest.raises(FleetError, match=r"launch\.restart\.initial_backoff_s: Input should be greater than 0"):
         load_fleet(path)
     data = yaml.safe_load(path.read_text())
@@ -71,3 +71,12 @@ def test_the_packaged_default_fleet_is_valid_for_ember_up_and_ember_gateway():
     assert fleet.gateway_url == "http://127.0.0.1:8000"
     assert [child.name for child in fleet.children] == ["gateway", "replica-8001", "replica-8002"]
     assert load_config(default_fleet_path()).models["smollm2-135m-instruct"].routing.policy == "prefix-cache"
+
+
+def test_bad_routing_options_fail_before_anything_starts(tmp_path):
+    path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501)
+    data = yaml.safe_load(path.read_text())
+    data["models"]["tiny"]["routing"] = {"policy": "load-aware", "options": {"kv_weight": 2}}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FleetError, match=r"fleet\.yaml: models\.tiny\.routing\.options: kv_weight: Extra inputs"):
+        load_fleet(path)
