@@ -45,7 +45,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     elif dtype == "auto":
         if device_type == "cpu":
             return torch.bfloat16 if cpu_supports_bfloat16() else torch.float32
-        if device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        if device_type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return torch.float16  # pre-Ampere GPUs
         return torch.bfloat16
     elif isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:

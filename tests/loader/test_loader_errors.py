@@ -7,11 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
 from ember.errors import ModelLoadError
 from ember.loader import load_model
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, cpu_supports_bfloat16, resolve_dtype
 
 
 def _copy_folder(source: Path, target: Path) -> Path:
@@ -67,6 +68,10 @@ def test_unsupported_config_features(tiny_model_dir: Path, tmp_path: Path) -> No
 
 
 def test_dtype_choices(tiny_model_dir: Path) -> None:
+    native_bf16 = cpu_supports_bfloat16()
+    assert resolve_dtype("auto") == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert load_model(tiny_model_dir).config.torch_dtype == resolve_dtype("auto")
+    assert resolve_dtype("bf16") == torch.bfloat16 and resolve_dtype("float32") == torch.float32
     with pytest.raises(ModelLoadError, match="float16 is not supported on CPU"):
         load_model(tiny_model_dir, dtype="float16")
     with pytest.raises(ModelLoadError, match="unsupported dtype 'int8'"):
