@@ -105,7 +105,7 @@ class Dispatcher:
             raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         policy = principal.policy
         if not policy.allows_model(model):
-            self.metrics.requests.labels(model, principal.name, "", "403").inc()
+            self.metrics.request_count(model, principal.name, "", "403").inc()
             raise GatewayError(
                 403, f"API key {principal.name!r} may not use model `{model}`.", "permission_error",
                 "model_not_allowed", "model",
@@ -127,14 +127,14 @@ class Dispatcher:
             admission = self.limiter.admit(principal, self._estimate_tokens(ctx))
         except GatewayError as exc:
             self.metrics.rate_limited.labels(principal.name, exc.type).inc()
-            self.metrics.requests.labels(model, principal.name, "", str(exc.status)).inc()
+            self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
             raise
         try:
             return await self._forward(ctx, principal, admission, arrival, arrival + deadline_s, raw_body)
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
-            self.metrics.requests.labels(model, principal.name, "", status).inc()
+            self.metrics.request_count(model, principal.name, "", status).inc()
             raise
 
     # --- internals -----------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class Dispatcher:
         return len(ctx.prompt_text) // 4 + max_tokens * choices
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        if not any(replica.id not in exclude for replica in self.pool.healthy(ctx.model)):
+        if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
             raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
         replica = self.router.select(ctx.model, ctx, exclude)
         return replica if replica is not None and replica.has_capacity else None
@@ -200,7 +200,7 @@ class Dispatcher:
                 raise
             route = ctx.extra.get("route")
             reason = route.reason if route is not None else ""
-            self.metrics.routing_decisions.labels(ctx.model, routing_policy, replica.id, reason).inc()
+            self.metrics.routing_for(ctx.model, routing_policy, replica.id, reason).inc()
             response: UpstreamResponse | None = None
             try:
                 response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))
@@ -213,7 +213,7 @@ class Dispatcher:
                     body = await read_body(response)
                     result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
                     self.pool.mark_success(replica)
-                    self.metrics.ttft.labels(ctx.model).observe(time.monotonic() - arrival)
+                    self.metrics.ttft_for(ctx.model).observe(time.monotonic() - arrival)
                     self._finish(ctx, principal, admission, arrival, result, "ok", result.usage)
                     return result
                 parser = SSEParser()
@@ -234,7 +234,7 @@ class Dispatcher:
                 self.pool.release(replica)
                 raise
             self.pool.mark_success(replica)
-            self.metrics.ttft.labels(ctx.model).observe(time.monotonic() - arrival)
+            self.metrics.ttft_for(ctx.model).observe(time.monotonic() - arrival)
             return UpstreamResult(
                 replica,
                 200,
@@ -280,10 +280,10 @@ class Dispatcher:
         if usage is not None:
             prompt = int(usage.get("prompt_tokens") or 0)
             completion = int(usage.get("completion_tokens") or 0)
-            self.metrics.tokens.labels(principal.name, "prompt").inc(prompt)
-            self.metrics.tokens.labels(principal.name, "completion").inc(completion)
+            self.metrics.tokens_for(principal.name, "prompt").inc(prompt)
+            self.metrics.tokens_for(principal.name, "completion").inc(completion)
         self.usage.record(principal.key_id, prompt, completion)
         self.limiter.settle(admission, None if usage is None else prompt + completion)
         status = str(result.status) if outcome == "ok" else f"stream_{outcome}"
-        self.metrics.requests.labels(ctx.model, principal.name, replica.id, status).inc()
-        self.metrics.e2e.labels(ctx.model).observe(time.monotonic() - arrival)
+        self.metrics.request_count(ctx.model, principal.name, replica.id, status).inc()
+        self.metrics.e2e_for(ctx.model).observe(time.monotonic() - arrival)

@@ -6,6 +6,7 @@ mirrored into gauges on every request.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,6 +38,10 @@ class _PoolCollector(Collector):
         yield healthy
         yield outstanding
         yield capacity
+
+
+def cached_labels(metric):
+    return functools.lru_cache(maxsize=16384)(metric.labels)
 
 
 class GatewayMetrics:
@@ -77,6 +82,12 @@ class GatewayMetrics:
             PREFIX + "rate_limited", "Requests refused with 429, by key and limit", ["key", "limit"], registry=r
         )
         self.tokens = Counter(PREFIX + "tokens", "Tokens used, by key and kind", ["key", "kind"], registry=r)
+        # The proxy path looks label children up on every request: memoise the lookups.
+        self.request_count = cached_labels(self.requests)
+        self.ttft_for = cached_labels(self.ttft)
+        self.e2e_for = cached_labels(self.e2e)
+        self.routing_for = cached_labels(self.routing_decisions)
+        self.tokens_for = cached_labels(self.tokens)
 
     def watch_pool(self, pool: ReplicaPool) -> None:
         self.registry.register(_PoolCollector(pool))
