@@ -70,6 +70,9 @@ class MetricsScraper:
         await self._task.stop()
 
     async def scrape_all(self) -> None:
+        for replica in self.pool.all():
+            if not replica.healthy and replica.metrics.scraped_at:
+                replica.metrics = ReplicaMetrics()  # re-admitted later, it must not be judged on old load
         await asyncio.gather(*(self.scrape(replica) for replica in self.pool.all() if replica.healthy))
 
     async def scrape(self, replica: Replica) -> bool:

@@ -22,6 +22,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ember.gateway.scraper import parse_load_metrics
+
 pytestmark = pytest.mark.slow
 
 KEY = "sk-ember-local"
@@ -182,6 +184,10 @@ def test_same_prefix_requests_land_on_one_replica_and_hit_its_prefix_cache(fleet
     assert len(set(served)) == 1, served
     holder_url, other_url = (fleet.url_a, fleet.url_b) if served[0] == "cache-a" else (fleet.url_b, fleet.url_a)
     holder_before, holder_after = before[holder_url], scrape(holder_url + "/metrics")
+    # The gateway's scraper reads this same exposition: idle now, and the same hit count.
+    load = parse_load_metrics(httpx.get(holder_url + "/metrics", timeout=10.0).text)
+    assert (load.waiting, load.running) == (0.0, 0.0) and 0.0 <= load.kv_usage < 1.0
+    assert load.prefix_cache_hits == sample(holder_after, "ember:prefix_cache_hits_total", model_name="tiny")
     hits = sample(holder_after, "ember:prefix_cache_hits_total", model_name="tiny") - sample(
         holder_before, "ember:prefix_cache_hits_total", model_name="tiny"
     )

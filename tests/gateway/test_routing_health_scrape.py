@@ -166,6 +166,12 @@ async def test_scraper_fills_the_load_snapshot_and_clears_it_when_scrapes_fail(s
     assert (live.metrics.waiting, live.metrics.running, live.metrics.kv_usage) == (7.0, 3.0, 0.5)
     assert live.metrics.scraped_at > 0
     assert dead.metrics.waiting is None and dead.metrics.scraped_at == 0
+    pool.eject(live, "test")
+    await scraper.scrape_all()  # an ejected replica's last snapshot is dropped, not kept for later
+    assert live.metrics.waiting is None and live.metrics.scraped_at == 0
+    pool.readmit(live)
+    await scraper.scrape_all()
+    assert live.metrics.waiting == 7.0
 
     server.metrics_text = "<html>not prometheus</html>"
     assert await scraper.scrape(live) is False
