@@ -163,6 +163,11 @@ def _read_tensors(reader: GGUFReader, path: Path, config: ModelConfig) -> dict[s
 
 def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
     reader = open_gguf(path)
+    splits = metadata_value(reader, "split.count", 1)
+    if splits > 1:
+        raise ModelLoadError(f"{path} is part {metadata_value(reader, 'split.no', 0) + 1} of a GGUF split into "
+                             f"{splits} files, which Ember does not load: merge them first with "
+                             f"`llama-gguf-split --merge`")
     try:
         config = ModelConfig.from_hf_config(_hf_config(reader, path), dtype=dtype, device=device)
         # The tokenizer first: it is the cheap part and the likelier to be unsupported.

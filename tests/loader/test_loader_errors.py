@@ -115,3 +115,19 @@ def test_missing_and_misshapen_tensors(gguf_writer, tiny_model_dir: Path, tmp_pa
     _edit_config(folder, num_hidden_layers=3)
     with pytest.raises(ModelLoadError, match="missing tensors model.layers.2.input_layernorm.weight"):
         load_model(folder)
+
+
+def test_split_gguf(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(tmp_path / "model.gguf", "llama", split_max_tensors=1)
+    writer.add_tensor("a.weight", np.zeros(4, dtype=np.float32))
+    writer.add_tensor("b.weight", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    first = tmp_path / "model-00001-of-00002.gguf"
+    with pytest.raises(ModelLoadError, match="is part 1 of a GGUF split into 2 files"):
+        load_model(first)
