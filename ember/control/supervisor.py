@@ -59,6 +59,8 @@ class Supervisor:
         self._children = [_Child(spec) for spec in fleet.children]
         self._stopping = asyncio.Event()
         self._force = asyncio.Event()
+        self._ready: set[str] = set()  # children that answered /health at least once
+        self._announced = False
 
     def log(self, message: str) -> None:
         self._out.write(f"[ember up] {message}\n")
@@ -148,6 +150,10 @@ class Supervisor:
             with contextlib.suppress(httpx.HTTPError):
                 if (await self._probe.get(child.spec.health_url)).status_code == 200:
                     self.log(f"{child.spec.name} ready ({child.spec.health_url})")
+                    self._ready.add(child.spec.name)
+                    if len(self._ready) == len(self._children) and not self._announced:
+                        self._announced = True
+                        self.log(f"fleet ready: send requests to {self.fleet.gateway_url}/v1")
                     return
             await asyncio.sleep(READY_POLL_S)
 

@@ -247,5 +247,6 @@ def test_region_spill_over_on_outage_then_readmission_after_restart_then_clean_s
     output = "".join(fleet.lines)
     assert f"replica-{fleet.port_a} exited with signal SIGKILL" in output
     assert output.count(f"replica-{fleet.port_a} started") == 2
+    assert output.count(f"[ember up] fleet ready: send requests to {fleet.gateway}/v1") == 1
     assert "killing it" not in output  # every child stopped on SIGTERM alone
     assert output.rstrip().endswith("[ember up] all processes stopped")
