@@ -11,7 +11,7 @@ import torch
 
 from ember.engine.args import EngineArgs
 from ember.engine.sampler import SampledToken, Sampler
-from ember.engine.scheduler import SchedulerOutput
+from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.errors import EmberError
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.models import build_model
@@ -72,8 +72,9 @@ class ModelRunner:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
         sequence. The result is aligned with out.scheduled (None where nothing is sampled)."""
         scheduled = out.scheduled
-        # Single-token (decode) rows first: they form one attention group, prefill chunks the other.
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
+        # Single-token (decode) rows first, by context length, so each attention group pads its sequences'
+        # K/V to similar lengths; prefill chunks after them in the scheduler's order.
+        order = sorted(range(len(scheduled)), key=lambda i: _row_order(scheduled[i]))
         input_ids: list[int] = []
         positions = []
         spans = []
@@ -104,3 +105,9 @@ class ModelRunner:
         for i, token in zip(sampled_seqs, tokens, strict=True):
             results[i] = token
         return results
+
+
+def _row_order(item: ScheduledSeq) -> tuple[int, int]:
+    if item.num_new_tokens == 1:
+        return 0, item.seq.num_computed_tokens
+    return 1, 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ember.layers import attention
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.models import ModelConfig, build_model
 
@@ -40,6 +41,7 @@ class PagedModel:
             spans.append(SequenceSpan(computed, new, table))
         per_kv = self.config.num_attention_heads // self.config.num_key_value_heads
         meta = build_attention_metadata(spans, BLOCK_SIZE, per_kv, torch.float32, torch.device("cpu"))
+        self.last_metadata = meta
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_caches)
             logits = self.model.compute_logits(hidden)
@@ -83,7 +85,12 @@ def test_prompt_in_chunks_of_five_through_a_non_contiguous_block_table(
     torch.testing.assert_close(torch.cat(chunks), reference_logits(hf_llama, tokens), atol=ATOL, rtol=0)
 
 
-def test_batch_mixing_decodes_and_prefill_chunks(paged: PagedModel, hf_llama: torch.nn.Module) -> None:
+@pytest.mark.parametrize("max_group_slots", [attention.MAX_GROUP_KV_SLOTS, 24])
+def test_batch_mixing_decodes_and_prefill_chunks(
+    paged: PagedModel, hf_llama: torch.nn.Module, max_group_slots: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A small gather budget splits both the decodes and the prefill chunks into several attention groups.
+    monkeypatch.setattr(attention, "MAX_GROUP_KV_SLOTS", max_group_slots)
     decodes = [(prompt(10 + i, n), [1 + 8 * i + b for b in range(8)]) for i, n in enumerate((6, 13, 21))]
     prefills = [(prompt(20, 19), [40, 41, 60, 42, 43, 61]), (prompt(21, 11), [30, 29, 28, 27])]
     # Fill the decoding sequences' caches up to their last token (each alone, as earlier steps would).
@@ -94,6 +101,7 @@ def test_batch_mixing_decodes_and_prefill_chunks(paged: PagedModel, hf_llama: to
     batch = [(tokens, len(tokens) - 1, 1, table) for tokens, table in decodes]
     batch += [(prefills[0][0], 8, 7, prefills[0][1]), (prefills[1][0], 0, 11, prefills[1][1])]
     results = paged.step(batch)
+    assert len(paged.last_metadata.groups) == (2 if max_group_slots > 24 else 5)
     for (tokens, computed, new, _), logits in zip(batch, results, strict=True):
         expected = reference_logits(hf_llama, tokens[: computed + new])[computed:]
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
