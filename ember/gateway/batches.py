@@ -250,6 +250,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             batch = await runtime.store.transaction(create)
         except GatewayError as exc:
             return error_response(exc)
+        runtime.metrics.submitted.labels("batch").inc(batch["request_counts"]["total"])
         runtime.workers.wake()
         return JSONResponse(batch)
 
@@ -311,10 +312,10 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             principal = runtime.authenticate(request.headers.get("authorization"))
             now = runtime.now()
 
-            def start_cancelling(conn: sqlite3.Connection) -> tuple[dict[str, Any] | None, list[str]]:
+            def start_cancelling(conn: sqlite3.Connection) -> tuple[dict[str, Any] | None, list[str], int]:
                 batch = select_batch(conn, batch_id, principal.key_id)
                 if batch is None or batch["status"] != "in_progress":
-                    return batch, []
+                    return batch, [], 0
                 conn.execute(
                     "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?",
                     (now, batch_id),
@@ -322,14 +323,15 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
                 running = [r[0] for r in conn.execute(
                     "SELECT id FROM jobs WHERE batch_id = ? AND status = 'running'", (batch_id,)
                 )]  # fmt: skip
-                conn.execute(
+                cancelled = conn.execute(
                     "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE batch_id = ?"
                     " AND status IN ('queued', 'running')",
                     (now, batch_id),
-                )
-                return batch, running
+                ).rowcount
+                return batch, running, cancelled
 
-            batch, running = await runtime.store.transaction(start_cancelling)
+            batch, running, cancelled = await runtime.store.transaction(start_cancelling)
+            runtime.metrics.finished.labels("batch", "cancelled").inc(cancelled)
             if batch is None:
                 raise not_found("batch", batch_id)
             if batch["status"] not in ("in_progress", "cancelling", "cancelled"):

@@ -40,6 +40,10 @@ class ProtocolGateway:
     def jobs(self) -> JobsExtension:
         return next(ext for ext in self.app.extensions if isinstance(ext, JobsExtension))
 
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.app.dispatcher.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
     def start(self) -> ProtocolGateway:
         self.server.start()
         return self

@@ -85,6 +85,12 @@ def test_async_chat_job_succeeds_and_webhook_is_retried_until_delivered(gateway)
     assert len(receiver.deliveries) == 3
     assert {headers["webhook-id"] for headers, _ in receiver.deliveries} == {f"msg_{job['id']}"}
     assert all(verify(secret, headers, body) for headers, body in receiver.deliveries)
+    assert gateway.metric("ember_gateway_jobs_submitted_total", kind="async") == 1
+    assert gateway.metric("ember_gateway_jobs_finished_total", kind="async", status="succeeded") == 1
+    assert gateway.metric("ember_gateway_webhook_attempts_total", outcome="retry") == 2
+    assert gateway.metric("ember_gateway_webhook_attempts_total", outcome="delivered") == 1
+    metrics_text = httpx.get(gateway.url + "/metrics").text
+    assert 'ember_gateway_jobs_finished_total{kind="async",status="succeeded"} 1.0' in metrics_text
     payload = httpx.Response(200, content=receiver.deliveries[-1][1]).json()
     assert payload["type"] == "async_job.succeeded"
     assert payload["data"]["result"] == completion

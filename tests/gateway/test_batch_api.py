@@ -111,6 +111,10 @@ def test_openai_sdk_batch_workflow_end_to_end(gateway):
     assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
 
+    assert gateway.metric("ember_gateway_jobs_submitted_total", kind="batch") == 4
+    assert gateway.metric("ember_gateway_jobs_finished_total", kind="batch", status="succeeded") == 3
+    assert gateway.metric("ember_gateway_jobs_finished_total", kind="batch", status="failed") == 1
+
     listed = client.batches.list(limit=10)
     assert [b.id for b in listed.data] == [batch.id]
     # Another key sees none of it.
@@ -212,6 +216,7 @@ def test_cancel_batch_and_list_pagination(held_gateway):
         ("z", None, "batch_cancelled"),
     ]
     assert client.batches.cancel(first.id).status == "cancelled"  # idempotent
+    assert gateway.metric("ember_gateway_jobs_finished_total", kind="batch", status="cancelled") == 3
 
     replica.release()
     done = wait_for_batch(client, second.id)

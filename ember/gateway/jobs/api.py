@@ -96,6 +96,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             )
         except GatewayError as exc:
             return error_response(exc)
+        runtime.metrics.submitted.labels("async").inc()
         runtime.workers.wake()
         return JSONResponse(
             {"id": job.id, "object": "async.job", "status": job.status, "created_at": job.created_at},
@@ -138,6 +139,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
                     "job_not_cancellable",
                     "id",
                 )
+            runtime.metrics.finished.labels("async", "cancelled").inc()
             if before.status == "running":
                 await runtime.workers.cancel_running(job.id)
             job = await runtime.store.get_job(job.id)

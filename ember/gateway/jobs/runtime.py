@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from ember.gateway.config import KeyPolicy
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
+from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
@@ -42,8 +43,9 @@ class JobsRuntime:
         self.dispatcher = dispatcher
         self.config = config
         self.store = JobStore(config.store_path(base_dir))
-        self.webhooks = WebhookSender(self.store, config.webhooks)
-        self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs)
+        self.metrics = JobMetrics(getattr(getattr(dispatcher, "metrics", None), "registry", None))
+        self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
+        self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)
         # Run once the store is open, before the workers start (e.g. closing batches a crash left open).
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from ember.gateway.jobs.config import WebhooksConfig
+from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
 
 logger = logging.getLogger("ember.gateway.webhooks")
@@ -168,9 +169,10 @@ class WebhookSender:
     State lives in the job store (`webhook_status` 'pending' until 'delivered' or 'failed'), so
     deliveries cut short by a restart resume with the same webhook-id and their attempts counted."""
 
-    def __init__(self, store: JobStore, config: WebhooksConfig) -> None:
+    def __init__(self, store: JobStore, config: WebhooksConfig, metrics: JobMetrics | None = None) -> None:
         self.store = store
         self.config = config
+        self.metrics = metrics or JobMetrics(None)
         self.guard = TargetGuard(config.allow)
         self.master_secret = config.signing_secret or ""
         self._client: httpx.AsyncClient | None = None
@@ -229,6 +231,7 @@ class WebhookSender:
             last = delivered or attempt >= self.config.max_attempts
             final = ("delivered" if delivered else "failed") if last else None
             await self.store.record_webhook_attempt(job.id, status_code, error, final)
+            self.metrics.webhook_attempts.labels(final or "retry").inc()
             if last:
                 if not delivered:
                     logger.warning("webhook for job %s failed after %d attempts: %s", job.id, attempt, error)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import JobsConfig
+from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
 from ember.gateway.jobs.webhooks import WebhookSender
 
@@ -50,11 +51,13 @@ class JobWorkerPool:
         dispatch: Dispatch,
         webhooks: WebhookSender,
         config: JobsConfig,
+        metrics: JobMetrics,
     ) -> None:
         self.store = store
         self.dispatch = dispatch
         self.webhooks = webhooks
         self.config = config
+        self.metrics = metrics
         self.finished_listeners: list[FinishedListener] = []
         self._wake = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
@@ -64,6 +67,7 @@ class JobWorkerPool:
 
     async def start(self) -> None:
         requeued, failed = await self.store.recover_interrupted(self.config.max_attempts)
+        self.metrics.requeued.labels("restart").inc(requeued)
         if requeued or failed:
             logger.warning(
                 "recovered jobs interrupted by a restart: %d re-queued, %d failed", requeued, failed
@@ -158,6 +162,7 @@ class JobWorkerPool:
         error["status"] = status
         if status in RETRYABLE_STATUSES and job.attempts < self.config.max_attempts:
             if await self.store.requeue_job(job.id, error, time.time() + retry_after_s):
+                self.metrics.requeued.labels(f"http_{status}").inc()
                 return
         await self._finish(job, "failed", status, body, error)
 
@@ -173,6 +178,7 @@ class JobWorkerPool:
             await self._announce(finished)
 
     async def _announce(self, job: Job) -> None:
+        self.metrics.finished.labels(job.kind, job.status).inc()
         self.webhooks.submit(job)
         for listener in self.finished_listeners:
             try:
