@@ -24,7 +24,7 @@ def test_requests_per_minute(replicas, start_gateway):
     assert first.headers["x-ratelimit-remaining-requests"] == "1"
     assert second.headers["x-ratelimit-remaining-requests"] == "0"
     assert third.status_code == 429
-    assert third.headers["retry-after"] == "30"  # one request per 30 s refills at 2 rpm
+    assert 1 <= int(third.headers["retry-after"]) <= 30  # at 2 rpm one request refills within 30 s
     assert third.headers["x-ratelimit-limit-requests"] == "2"
     assert third.headers["x-ratelimit-remaining-requests"] == "0"
     assert third.headers["x-ratelimit-reset-requests"].endswith("s")
