@@ -28,12 +28,14 @@ def _packaged_model(package: str, file_name: str, alias: str) -> Path:
 
 
 def resolve_model(model: str | Path) -> Path:
-    """The local path for a model id: a known alias, a Hugging Face folder, or a .gguf file."""
+    """The local path for a model id: a Hugging Face folder, a .gguf file, or a known alias.
+
+    An existing path wins over an alias, so a local clone named like the alias loads from that clone."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve()
     packaged = _PACKAGED_MODELS.get(str(model).strip().lower())
     if packaged is not None:
         return _packaged_model(*packaged, alias=str(model))
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model {str(model)!r} not found: no such file or folder, and not a known alias "
-                             f"(known: {', '.join(sorted(a for a in _PACKAGED_MODELS if '/' not in a))})")
-    return path.resolve()
+    raise ModelLoadError(f"model {str(model)!r} not found: no such file or folder, and not a known alias "
+                         f"(known: {', '.join(sorted(a for a in _PACKAGED_MODELS if '/' not in a))})")

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ember.errors import ModelLoadError
-from ember.loader import load_model
+from ember.loader import load_model, resolve_model
 from ember.models.config import ModelConfig, cpu_supports_bfloat16, resolve_dtype
 
 
@@ -131,3 +131,10 @@ def test_split_gguf(tmp_path: Path) -> None:
     first = tmp_path / "model-00001-of-00002.gguf"
     with pytest.raises(ModelLoadError, match="is part 1 of a GGUF split into 2 files"):
         load_model(first)
+
+
+def test_local_path_wins_over_alias(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(tiny_model_dir, tmp_path / "SmolLM2-135M-Instruct")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("SmolLM2-135M-Instruct") == tmp_path / "SmolLM2-135M-Instruct"
+    assert resolve_model("smollm2-135m-instruct").suffix == ".gguf"
