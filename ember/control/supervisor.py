@@ -127,7 +127,7 @@ class Supervisor:
             if uptime >= self.restart.stable_after_s:
                 backoff = self.restart.initial_backoff_s
             exited = "could not start" if returncode is None else f"exited with {_describe_exit(returncode)}"
-            self.log(f"{child.spec.name} {exited} after {uptime:.1f}s; restarting in {backoff:.1f}s")
+            self.log(f"{child.spec.name} {exited} after {uptime:.1f}s; restarting in {backoff:g}s")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), backoff)
             backoff = min(backoff * 2, self.restart.max_backoff_s)
