@@ -169,7 +169,7 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.05
 """
 
 
-def test_parse_load_metrics_reads_ember_and_vllm_names():
+def test_parse_load_metrics_reads_ember_vllm_and_sglang_names():
     ember = parse_load_metrics(EMBER_METRICS)
     assert (ember.waiting, ember.running, ember.kv_usage) == (6.0, 4.0, 0.75)
     assert (ember.prefix_cache_hits, ember.prefix_cache_queries) == (320.0, 1000.0)
@@ -179,6 +179,12 @@ def test_parse_load_metrics_reads_ember_and_vllm_names():
     assert (vllm.prefix_cache_hits, vllm.prefix_cache_queries) == (300.0, 800.0)
     old = parse_load_metrics(VLLM_V0_METRICS)
     assert (old.waiting, old.running, old.kv_usage, old.prefix_cache_hits) == (0.0, 0.0, 0.05, None)
+    sglang = parse_load_metrics(
+        '# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name="m"} 5.0\n'
+        '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 2.0\n'
+        '# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m"} 0.4\n'
+    )
+    assert (sglang.waiting, sglang.running, sglang.kv_usage) == (2.0, 5.0, 0.4)
     empty = parse_load_metrics("# nothing a router can use\nhttp_requests_total 3\n")
     assert (empty.waiting, empty.running, empty.kv_usage) == (None, None, None)
 
