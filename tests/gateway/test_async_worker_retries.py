@@ -8,9 +8,10 @@ import asyncio
 import httpx
 import pytest
 from gateway_harness import FakeReplica, wait_until
-from protocols_support import ProtocolGateway, auth, protocol_config
+from protocols_support import ProtocolGateway, WebhookReceiver, auth, protocol_config
 
 from ember.gateway.config import KeyPolicy
+from ember.gateway.jobs.store import JobStore, NewJob
 from ember.gateway.keys import KeyStore
 
 
@@ -130,3 +131,42 @@ def test_revoked_key_stops_its_queued_jobs(replica, tmp_path):
 def stored_job(gateway: ProtocolGateway, store, job_id: str):
     """Read a job on the gateway's own event loop (the store's executor belongs to it)."""
     return asyncio.run_coroutine_threadsafe(store.get_job(job_id), gateway.server.loop).result(timeout=10)
+
+
+def test_job_interrupted_without_attempts_left_fails_with_reason_and_webhook(replica, tmp_path):
+    # A gateway died while this job ran its last allowed attempt: leave the store exactly like that.
+    with WebhookReceiver() as receiver:
+
+        async def crashed_store() -> str:
+            store = JobStore(tmp_path / "ember-jobs.db")
+            await store.open()
+            job = await store.create_job(
+                NewJob(
+                    key_id="inline:alpha",
+                    owner={"key_id": "inline:alpha", "name": "alpha", "policy": {}},
+                    kind="async",
+                    endpoint="/v1/completions",
+                    body={"model": "tiny", "prompt": "p"},
+                    priority=1,
+                    max_time_in_queue_s=600,
+                    webhook_url=receiver.url,
+                )
+            )
+            await store.claim_next()
+            await store.close()
+            return job.id
+
+        job_id = asyncio.run(crashed_store())
+        gateway = start(replica, tmp_path, max_attempts=1)
+        try:
+            with httpx.Client(base_url=gateway.url) as client:
+                wait_until(
+                    lambda: job_of(client, job_id)["webhook"]["status"] == "delivered", what="the webhook"
+                )
+                job = job_of(client, job_id)
+        finally:
+            gateway.stop()
+    assert (job["status"], job["attempts"], job["error"]["code"]) == ("failed", 1, "interrupted")
+    assert "stopped while this job was running" in job["error"]["message"]
+    assert [headers["webhook-id"] for headers, _ in receiver.deliveries] == [f"msg_{job_id}"]
+    assert replica.requests == []  # it was not run again

@@ -46,11 +46,14 @@ class JobsRuntime:
         self.metrics = JobMetrics(getattr(getattr(dispatcher, "metrics", None), "registry", None))
         self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)
-        # Run once the store is open, before the workers start (e.g. closing batches a crash left open).
+        # Run after crash recovery, before the workers start (e.g. closing batches a crash left open).
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
 
     async def start(self) -> None:
         await self.store.open()
+        # Recovery first: jobs it fails get their webhooks from webhooks.start(), their batches closed
+        # by the startup hooks.
+        await self.workers.recover()
         for hook in self.startup_hooks:
             await hook()
         await self.webhooks.start()

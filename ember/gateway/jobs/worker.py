@@ -65,13 +65,16 @@ class JobWorkerPool:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
 
-    async def start(self) -> None:
+    async def recover(self) -> None:
+        """Before anything runs: settle the jobs a killed gateway left running."""
         requeued, failed = await self.store.recover_interrupted(self.config.max_attempts)
         self.metrics.requeued.labels("restart").inc(requeued)
         if requeued or failed:
             logger.warning(
                 "recovered jobs interrupted by a restart: %d re-queued, %d failed", requeued, failed
             )
+
+    async def start(self) -> None:
         self._workers = [
             asyncio.create_task(self._work(), name=f"ember-job-worker-{index}")
             for index in range(self.config.concurrency)
