@@ -105,6 +105,20 @@ def test_low_overlap_counts_as_a_miss_and_short_prompts_go_by_load():
     assert route(router, short) == ("r1", "no-prefix")
 
 
+def test_token_id_prompts_are_routed_by_their_shared_token_prefix():
+    router, _ = make_router()
+    shared = list(range(1000, 1060))
+
+    def tokens(tail: list[int]) -> RequestContext:
+        return RequestContext("tiny", "completions", {"prompt": shared + tail}, "key", 0)
+
+    holder, reason = route(router, tokens([7, 8, 9]))
+    assert reason == "cache-miss"
+    assert route(router, tokens([4, 5])) == (holder, "cache-hit")
+    batched = RequestContext("tiny", "completions", {"prompt": [shared + [1], shared + [2]]}, "key", 0)
+    assert route(router, batched) == (holder, "cache-hit")
+
+
 def test_lru_eviction_bounds_each_replica_and_forgets_the_oldest_prefixes():
     policy = PrefixCachePolicy({"block_chars": 8, "max_blocks_per_replica": 40}, random.Random(0))
     index = policy.index

@@ -46,6 +46,20 @@ class PrefixCacheOptions(PolicyOptions):
     max_blocks_per_replica: int = Field(default=16_384, gt=0, description="LRU bound of tracked blocks")
 
 
+def prompt_key(ctx: RequestContext) -> str:
+    """The text whose prefixes are tracked: the prompt as text, or a completions prompt given as token
+    ids (as load generators send it) spelled out as numbers, so that shared token prefixes match too."""
+    text = ctx.prompt_text
+    if text or ctx.endpoint != "completions":
+        return text
+    prompt = ctx.body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+        return " ".join(map(str, prompt))
+    return ""
+
+
 class PrefixIndex:
     """Which replica was sent which prompt prefixes, as chained block hashes with per-replica LRU.
 
@@ -112,7 +126,7 @@ class PrefixCachePolicy:
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None:
         if not candidates:
             return None
-        hashes = self.index.block_hashes(ctx.prompt_text)
+        hashes = self.index.block_hashes(prompt_key(ctx))
         if not hashes:
             return Choice(least_utilized(candidates, self._rng), "no-prefix")
         matched = self.index.match(hashes, (replica.id for replica in candidates))
