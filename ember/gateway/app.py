@@ -151,6 +151,7 @@ class GatewayApp:
         try:
             if not result.stream:
                 watcher.cancel()
+                headers.append((b"content-length", str(len(result.body)).encode()))
                 await send({"type": "http.response.start", "status": result.status, "headers": headers})
                 await send({"type": "http.response.body", "body": result.body})
                 return

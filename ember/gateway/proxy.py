@@ -170,7 +170,7 @@ class UpstreamResult:
     async def events(self) -> AsyncIterator[bytes]:
         if self._response is None:
             raise RuntimeError("events() is only for streamed results; use json()")
-        outcome = "error"
+        outcome = "cancelled"  # the consumer stopped early (client disconnect) unless set below
         try:
             pending, self._pending = self._pending, []
             for payload in pending:
@@ -185,10 +185,12 @@ class UpstreamResult:
                     chunk = await response.readany()
                 except UPSTREAM_ERRORS as exc:
                     self.failure = classify(exc)
+                    outcome = "error"
                     yield stream_error_payload(f"The replica failed mid-stream ({self.failure.detail}).")
                     return
                 if not chunk:
                     self.failure = UpstreamFailure("disconnected", "stream ended without [DONE]", eject_now=False)
+                    outcome = "error"
                     yield stream_error_payload("The replica closed the stream before it was complete.")
                     return
                 for payload in self._parser.feed(chunk):

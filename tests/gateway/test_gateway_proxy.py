@@ -120,3 +120,18 @@ def test_models_health_ready_metrics(replicas, start_gateway):
     assert ready.status_code == 200 and ready.json()["healthy_replicas"] == {"tiny": 1, "other": 1}
     text = httpx.get(gateway.url + "/metrics").text
     assert 'ember_gateway_replica_healthy{deployment="main",model="tiny",region="",replica="a"} 1.0' in text
+
+
+def test_a_client_leaving_mid_stream_aborts_the_replica_request(replicas, start_gateway):
+    a, _ = replicas
+    a.pause_after_first_chunk = True
+    gateway = start_gateway(gateway_config({"tiny": model_config(a)}, [dict(KEY)]))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30) as response:
+        assert next(line for line in response.iter_lines() if line).startswith("data: ")
+    # The client hung up while the replica was parked mid-stream: the gateway closes its upstream request.
+    wait_until(lambda: a.aborted == 1, what="the replica to see the abort")
+    replica = gateway.dispatcher.pool.get("a")
+    wait_until(lambda: replica.outstanding == 0, what="the slot to be released")
+    assert gateway.metric("ember_gateway_requests_total", model="tiny", key="ci", replica="a", status="stream_cancelled") == 1
+    a.release()
