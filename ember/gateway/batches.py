@@ -104,10 +104,11 @@ def finalize(conn: sqlite3.Connection, batch_id: str, now: float) -> bool:
     row = conn.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
     if row is None or row["status"] not in ("in_progress", "cancelling"):
         return False
+    # Called after every finished batch request: an indexed existence check, not a count.
     active = conn.execute(
-        "SELECT COUNT(*) FROM jobs WHERE batch_id = ? AND status IN ('queued', 'running')", (batch_id,)
-    ).fetchone()[0]
-    if active:
+        "SELECT 1 FROM jobs WHERE batch_id = ? AND status IN ('queued', 'running') LIMIT 1", (batch_id,)
+    ).fetchone()
+    if active is not None:
         return False
     output: list[bytes] = []
     errors: list[bytes] = []

@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     priority INTEGER NOT NULL,
     webhook_url TEXT,
     max_time_in_queue_s REAL NOT NULL,
+    queue_deadline REAL NOT NULL,
     status TEXT NOT NULL,
     created_at REAL NOT NULL,
     started_at REAL,
@@ -52,7 +53,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     webhook_status TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (status, priority, created_at);
-CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id);
+CREATE INDEX IF NOT EXISTS jobs_batch_status ON jobs (batch_id, status);
+CREATE INDEX IF NOT EXISTS jobs_queue_deadline ON jobs (status, queue_deadline);
 CREATE INDEX IF NOT EXISTS jobs_webhook ON jobs (webhook_status);
 CREATE TABLE IF NOT EXISTS webhook_attempts (
     job_id TEXT NOT NULL,
@@ -300,8 +302,8 @@ class JobStore:
         ]
         conn.executemany(
             "INSERT INTO jobs (id, key_id, owner, kind, endpoint, body, priority, webhook_url,"
-            " max_time_in_queue_s, status, created_at, batch_id, custom_id, webhook_status)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+            " max_time_in_queue_s, queue_deadline, status, created_at, batch_id, custom_id, webhook_status)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
             [
                 (
                     job.id,
@@ -313,6 +315,7 @@ class JobStore:
                     job.priority,
                     job.webhook_url,
                     job.max_time_in_queue_s,
+                    job.created_at + job.max_time_in_queue_s,
                     job.created_at,
                     job.batch_id,
                     job.custom_id,
@@ -358,7 +361,7 @@ class JobStore:
             rows = conn.execute(
                 "UPDATE jobs SET status = 'expired', finished_at = ?, error = ?,"
                 " webhook_status = CASE WHEN webhook_url IS NULL THEN NULL ELSE 'pending' END"
-                " WHERE status = 'queued' AND started_at IS NULL AND created_at + max_time_in_queue_s <= ?"
+                " WHERE status = 'queued' AND queue_deadline <= ? AND started_at IS NULL"
                 " RETURNING *",
                 (now, _dumps(error), now),
             ).fetchall()
@@ -376,7 +379,7 @@ class JobStore:
             row = conn.execute(
                 "UPDATE jobs SET status = 'running', started_at = ?, attempts = attempts + 1"
                 " WHERE id = (SELECT id FROM jobs WHERE status = 'queued' AND run_after <= ?"
-                " AND (started_at IS NOT NULL OR created_at + max_time_in_queue_s > ?)"
+                " AND (started_at IS NOT NULL OR queue_deadline > ?)"
                 " ORDER BY priority, created_at, rowid LIMIT 1) RETURNING *",
                 (now, now, now),
             ).fetchone()

@@ -102,25 +102,35 @@ class JobWorkerPool:
 
     async def _work(self) -> None:
         while True:
-            job = await self.store.claim_next()
-            if job is None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
-                self._wake.clear()
-                continue
-            task = asyncio.create_task(self._run(job), name=f"ember-job-{job.id}")
-            self._running[job.id] = task
             try:
-                await asyncio.shield(task)
+                await self._work_once()
             except asyncio.CancelledError:
-                # Either cancel_running() aborted this job (carry on) or the pool is stopping.
-                if self._stopping or not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    await self.store.release_job(job.id)
-                    raise
-            finally:
-                self._running.pop(job.id, None)
+                raise
+            except Exception:  # noqa: BLE001 - e.g. a full disk: keep the worker, try again shortly
+                logger.exception("job worker: store operation failed")
+                await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _work_once(self) -> None:
+        """Claim and run one job, or wait for work."""
+        job = await self.store.claim_next()
+        if job is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+            self._wake.clear()
+            return
+        task = asyncio.create_task(self._run(job), name=f"ember-job-{job.id}")
+        self._running[job.id] = task
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Either cancel_running() aborted this job (carry on) or the pool is stopping.
+            if self._stopping or not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await self.store.release_job(job.id)
+                raise
+        finally:
+            self._running.pop(job.id, None)
 
     async def _run(self, job: Job) -> None:
         # The wait for replica capacity counts as time in queue; a re-run gets the default allowance.
@@ -192,9 +202,14 @@ class JobWorkerPool:
     async def _sweep(self) -> None:
         last_cleanup = 0.0
         while True:
-            for job in await self.store.expire_overdue():
-                await self._announce(job)
-            if time.monotonic() - last_cleanup >= CLEANUP_INTERVAL_S:
-                last_cleanup = time.monotonic()
-                await self.store.delete_expired_results(self.config.result_ttl_s)
+            try:
+                for job in await self.store.expire_overdue():
+                    await self._announce(job)
+                if time.monotonic() - last_cleanup >= CLEANUP_INTERVAL_S:
+                    last_cleanup = time.monotonic()
+                    await self.store.delete_expired_results(self.config.result_ttl_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the sweeper must outlive a failed store operation
+                logger.exception("job sweeper: store operation failed")
             await asyncio.sleep(self.config.poll_interval_s)
