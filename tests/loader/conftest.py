@@ -30,7 +30,8 @@ def smollm2_hf_tokenizer(smollm2_gguf_path: Path):
 
 # A tiny byte-level BPE vocabulary: three control tokens, the 256 byte symbols, and a few merges.
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "rl d"]
+# "! Ċ" (Ċ spells a newline) and "1 2" merge only where the pre-tokenizer's split regex keeps them together.
+_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "rl d", "! Ċ", "1 2"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -78,7 +79,7 @@ class TinyGGUF:
 
 
 def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
-                    drop: tuple[str, ...] = (), tied: bool = True, tokenizer_model: str = "gpt2",
+                    drop: tuple[str, ...] = (), tied: bool = True, tokenizer_model: str = "gpt2", tokenizer_pre: str = "default",
                     intermediate_in_metadata: int | None = None, rope_theta: float = 50000.0,
                     rope_freqs: list[float] | None = None) -> TinyGGUF:
     """Write a random 2-layer llama GGUF with a tokenizer section; return the HF-named tensors a loader
@@ -127,7 +128,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
         writer.add_token_types(types)
         writer.add_unk_token_id(0)
     else:
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_pre(tokenizer_pre)
         writer.add_token_types([3] * len(_SPECIALS) + [1] * (len(vocab) - len(_SPECIALS)))
         writer.add_token_merges(_MERGES)
         writer.add_pad_token_id(0)

@@ -67,12 +67,24 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_writer) -> None:
         "<|im_start|>system\nbe nice<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
 
     reference = AutoTokenizer.from_pretrained(tiny.path.parent, gguf_file=tiny.path.name)
-    for text in ["hello world", "héllo wörld 😀\n\tcode()", "<|im_start|>user\nhello<|im_end|>"]:
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == reference.apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=False)
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [("default", ["12", "!", "Ċ"]), ("smollm", ["12", "!", "Ċ"]),
+                                             ("llama-bpe", ["12", "!Ċ"]), ("qwen2", ["1", "2", "!Ċ"])])
+def test_byte_level_pre_tokenizers_match_transformers(gguf_writer, pre: str, pieces: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    tiny = gguf_writer(f"{pre}.gguf", tokenizer_pre=pre)
+    tokenizer = load_model(tiny.path, dtype="float32").tokenizer
+    assert tokenizer.encode("12!\n", add_special_tokens=False) == [tiny.vocab.index(p) for p in pieces]
+    reference = AutoTokenizer.from_pretrained(tiny.path.parent, gguf_file=tiny.path.name)
+    for text in ["hello world", "héllo wörld 😀\n\tcode()", "<|im_start|>user\nhello<|im_end|>",
+                 "digits 1234567 and I'm   spaced\r\n\n", "HELLO's world!!"]:
         ids = tokenizer.encode(text)
         assert ids == reference.encode(text), text
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
-    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == reference.apply_chat_template(
-        messages, add_generation_prompt=False, tokenize=False)
 
 
 def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float = 1.0,
