@@ -87,7 +87,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (meta) weight skips Embedding's normal_ init, whose meta kernel imports torch._dynamo
+        # (seconds of start-up time).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
