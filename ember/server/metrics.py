@@ -8,14 +8,22 @@ from `engine.stats()` at scrape time; the request path only observes per-request
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # vLLM's buckets, so dashboards' quantile panels line up.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -49,7 +57,7 @@ class ServerMetrics:
                              ).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two streamed tokens.", ITL_BUCKETS)
+        self.itl = LoopHistogram(ITL_BUCKETS)  # observed once per streamed token: kept lock-free
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
@@ -101,6 +109,10 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
 
+    def loop_families(self) -> Iterator[Metric]:
+        yield self.itl.family("ember:inter_token_latency_seconds", "Time between two streamed tokens.",
+                              self.model_name)
+
     def engine_families(self) -> Iterator[Metric]:
         stats = self._engine_stats()
         model = [self.model_name]
@@ -130,6 +142,31 @@ class ServerMetrics:
         yield lora
 
 
+class LoopHistogram:
+    """A histogram observed and collected only on the event loop thread: no lock, one bisect per
+    observation (prometheus_client's Histogram takes a mutex per bucket update)."""
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def family(self, name: str, documentation: str, model_name: str) -> HistogramMetricFamily:
+        buckets, cumulative = [], 0
+        for bound, count in zip([*self._bounds, math.inf], self._counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(name, documentation, labels=["model_name"])
+        family.add_metric([model_name], buckets, sum_value=self._sum)
+        return family
+
+
 class _PrefixedCollector(Collector):
     """Yields every `ember:` family a second time renamed to `vllm:` (plus the legacy aliases)."""
 
@@ -137,7 +174,8 @@ class _PrefixedCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        families = [*self._metrics.engine_families(), *self._metrics._families.collect()]
+        metrics = self._metrics
+        families = [*metrics.engine_families(), *metrics.loop_families(), *metrics._families.collect()]
         for family in families:
             base = family.name.removeprefix("ember:")
             for prefix in PREFIXES:
