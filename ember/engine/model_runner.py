@@ -47,7 +47,6 @@ class ModelRunner:
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.num_queries_per_kv = config.num_attention_heads // config.num_key_value_heads
         self.sampler = Sampler(config.eos_token_ids, self.device, args.seed)
         logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB)", self.dtype, self.device,
                     self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB)
@@ -90,7 +89,7 @@ class ModelRunner:
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_seqs.append(i)
-        meta = build_attention_metadata(spans, self.block_size, self.num_queries_per_kv, self.dtype, self.device)
+        meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),

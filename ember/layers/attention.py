@@ -6,8 +6,9 @@ position p of a sequence lives in slot block_table[p // block_size] * block_size
 Each step's sequences are split into groups (single-token decodes, then multi-token prefill chunks). A group
 runs as ONE scaled_dot_product_attention call: its sequences' K/V are gathered block-wise into a padded
 [B, kv_heads, L, head_dim] batch with one index_select (the head-major layout makes every (sequence, head)
-slice contiguous, as SDPA wants), and a precomputed additive mask hides padding and future tokens. Grouped-query
-attention folds the query heads sharing a KV head into the query-length axis, so no K/V is repeated."""
+slice contiguous, as SDPA wants), and a precomputed additive mask hides padding and future tokens. K/V heads are
+never repeated: decodes fold the query heads sharing a KV head into the query axis, prefill chunks use SDPA's
+grouped-query mode."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class AttentionGroup:
     output_index: torch.Tensor | None  # real rows of the padded [B * query_len] output; None when no padding
     block_ids: torch.Tensor  # [B * num_blocks] physical blocks to gather, padded with block 0 (masked)
     kv_len: int  # keys attended per sequence after the gather (num_blocks * block_size, or exact for B == 1)
-    mask: torch.Tensor | None  # additive [B, 1, groups * query_len, kv_len]; None when every key is visible
+    mask: torch.Tensor | None  # additive [B, 1, query_len, kv_len]; None when every key is visible
 
 
 @dataclass
@@ -54,7 +55,6 @@ class AttentionMetadata:
 def build_attention_metadata(
     spans: list[SequenceSpan],
     block_size: int,
-    num_queries_per_kv: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> AttentionMetadata:
@@ -81,7 +81,7 @@ def build_attention_metadata(
                 break
             num_blocks = widest
             end += 1
-        group = _build_group(spans[start:end], token_start, block_size, num_queries_per_kv, dtype, device)
+        group = _build_group(spans[start:end], token_start, block_size, dtype, device)
         groups.append(group)
         token_start = group.token_end
         start = end
@@ -96,7 +96,6 @@ def _build_group(
     spans: list[SequenceSpan],
     token_start: int,
     block_size: int,
-    num_queries_per_kv: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> AttentionGroup:
@@ -131,12 +130,7 @@ def _build_group(
         query_positions = computed[:, None] + np.arange(query_len)[None, :]
         visible = np.arange(kv_len)[None, None, :] <= query_positions[:, :, None]
         additive = torch.zeros(visible.shape, dtype=dtype).masked_fill_(torch.from_numpy(~visible), float("-inf"))
-        mask = (
-            additive.unsqueeze(1)
-            .expand(num_seqs, num_queries_per_kv, query_len, kv_len)
-            .reshape(num_seqs, 1, num_queries_per_kv * query_len, kv_len)
-            .to(device)
-        )
+        mask = additive.unsqueeze(1).to(device)
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
@@ -177,22 +171,19 @@ class PagedAttention(nn.Module):
 
     def _attend_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         num_seqs, query_len = group.num_seqs, group.query_len
-        kv_heads, per_kv, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
+        kv_heads, head_dim = self.num_kv_heads, self.head_dim
         if group.query_index is None:
             q = q[group.token_start : group.token_end]
         else:
             q = q.index_select(0, group.query_index)
-        q = (
-            q.view(num_seqs, query_len, kv_heads, per_kv, head_dim)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(num_seqs, kv_heads, per_kv * query_len, head_dim)
-        )
         kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads, num_seqs, -1, head_dim)
         kv = kv[:, :, :, : group.kv_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask)
-        out = (
-            out.view(num_seqs, kv_heads, per_kv, query_len, head_dim)
-            .permute(0, 3, 1, 2, 4)
-            .reshape(num_seqs * query_len, self.num_heads * head_dim)
-        )
+        if query_len == 1:
+            # Decode: the query heads sharing a KV head become that head's query rows (the mask broadcasts).
+            q = q.view(num_seqs, kv_heads, self.num_queries_per_kv, head_dim)
+            out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask)
+            return out.reshape(num_seqs, self.num_heads * head_dim)
+        q = q.view(num_seqs, query_len, self.num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(num_seqs * query_len, self.num_heads * head_dim)
         return out if group.output_index is None else out.index_select(0, group.output_index)

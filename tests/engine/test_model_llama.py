@@ -39,8 +39,7 @@ class PagedModel:
             input_ids += token_ids[computed : computed + new]
             positions += range(computed, computed + new)
             spans.append(SequenceSpan(computed, new, table))
-        per_kv = self.config.num_attention_heads // self.config.num_key_value_heads
-        meta = build_attention_metadata(spans, BLOCK_SIZE, per_kv, torch.float32, torch.device("cpu"))
+        meta = build_attention_metadata(spans, BLOCK_SIZE, torch.float32, torch.device("cpu"))
         self.last_metadata = meta
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_caches)
