@@ -123,6 +123,13 @@ def start_ember_serve(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen
     return process, url
 
 
+def replica_metric(replica_url: str, name: str) -> float:
+    for line in httpx.get(replica_url + "/metrics").text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"the replica exports no {name}")
+
+
 def stop_process(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()

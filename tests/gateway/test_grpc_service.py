@@ -12,6 +12,7 @@ from protocols_support import (
     ProtocolGateway,
     protocol_config,
     real_replica,  # noqa: F401 - fixture
+    replica_metric,
 )
 
 from ember.gateway.proto.ember.v1 import inference_pb2 as pb
@@ -145,3 +146,18 @@ def test_deadline_and_unavailable(held):
     replica.fail_status = 503
     error = code_of(lambda: list(stub.Generate(chat_request(), metadata=metadata(), timeout=30)))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_deadline_mid_stream_aborts_the_generation(stub, real_replica):  # noqa: F811
+    long_request = chat_request(max_tokens=900)
+    generated_before = replica_metric(real_replica, "vllm:generation_tokens_total")
+    chunks = []
+    with pytest.raises(grpc.RpcError) as caught:
+        for chunk in stub.Generate(long_request, metadata=metadata(), timeout=2.0):
+            chunks.append(chunk)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(chunks) < 900
+    # The gateway dropped the call and the replica aborted the generation instead of finishing it.
+    running = "vllm:num_requests_running"
+    wait_until(lambda: replica_metric(real_replica, running) == 0, timeout_s=60, what="the replica to stop")
+    assert replica_metric(real_replica, "vllm:generation_tokens_total") - generated_before < 900
