@@ -76,6 +76,7 @@ def protocol_config(replica_urls: list[str], *, capacity: int = 4, **extra) -> d
         "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_threshold": 3},
         "scrape": {"interval_s": 5},
         "async": {
+            "store": "jobs.db",  # next to the config: the test's tmp folder
             "jobs": {"concurrency": 2, "poll_interval_s": 0.05},
             "webhooks": {
                 "allow": ["127.0.0.0/8"],

@@ -141,3 +141,20 @@ async def test_meta_value_is_created_once(store):
     first = await store.meta_value("secret", lambda: "a")
     assert first == "a"
     assert await store.meta_value("secret", lambda: "b") == "a"
+
+
+def test_async_config_paths_and_errors(tmp_path, monkeypatch):
+    from ember.gateway.config import GatewayConfigError, parse_config
+
+    models = {"m": {"deployments": [{"replicas": [{"url": "http://127.0.0.1:1"}]}]}}
+    monkeypatch.chdir(tmp_path)
+    default = parse_config({"models": models}, base_dir=tmp_path / "conf")
+    assert default.async_.store_path(default.base_dir) == tmp_path / "ember-jobs.db"
+    relative = parse_config({"models": models, "async": {"store": "j.db"}}, base_dir=tmp_path / "conf")
+    assert relative.async_.store_path(relative.base_dir) == tmp_path / "conf" / "j.db"
+    with pytest.raises(GatewayConfigError, match=r"async\.webhooks\.allow: .*'10\.0\.0\.0/33' is not a valid CIDR"):
+        parse_config({"models": models, "async": {"webhooks": {"allow": ["10.0.0.0/33"]}}})
+    with pytest.raises(GatewayConfigError, match=r"async\.jobs\.concurrency: Input should be greater than 0"):
+        parse_config({"models": models, "async": {"jobs": {"concurrency": 0}}})
+    with pytest.raises(GatewayConfigError, match=r"async\.grpc\.prot: Extra inputs are not permitted"):
+        parse_config({"models": models, "async": {"grpc": {"prot": 1}}})

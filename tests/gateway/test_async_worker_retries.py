@@ -138,7 +138,7 @@ def test_job_interrupted_without_attempts_left_fails_with_reason_and_webhook(rep
     with WebhookReceiver() as receiver:
 
         async def crashed_store() -> str:
-            store = JobStore(tmp_path / "ember-jobs.db")
+            store = JobStore(tmp_path / "jobs.db")
             await store.open()
             job = await store.create_job(
                 NewJob(

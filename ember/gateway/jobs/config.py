@@ -86,14 +86,19 @@ class GrpcConfig(_Strict):
 
 
 class AsyncConfig(_Strict):
-    store: Path | None = Field(default=None, description="SQLite job store; default ember-jobs.db in the cwd")
+    store: Path | None = Field(
+        default=None, description="SQLite job store, relative to the config file; default ./ember-jobs.db"
+    )
     jobs: JobsConfig = Field(default_factory=JobsConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
 
     def store_path(self, base_dir: Path | None = None) -> Path:
-        path = self.store or Path("ember-jobs.db")
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        return path
+        """A configured relative path is relative to the config file; the default is in the working
+        directory (the config may sit in a read-only or packaged folder, like `ember up`'s default fleet)."""
+        if self.store is None:
+            return Path.cwd() / "ember-jobs.db"
+        if not self.store.is_absolute() and base_dir is not None:
+            return base_dir / self.store
+        return self.store
