@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.files import insert_file, parse_batch_lines, select_content, select_file
 from ember.gateway.jobs.api import read_json_object
-from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, error_response, not_found, owner_of
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found, owner_of
 from ember.gateway.jobs.store import Job, JobStore, NewJob, new_id
 
 COMPLETION_WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
@@ -175,97 +175,91 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            body = await read_json_object(request)
-            endpoint = body.get("endpoint")
-            if endpoint not in ENDPOINTS:
-                raise bad_request(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
-            window = body.get("completion_window")
-            match = COMPLETION_WINDOW.match(window) if isinstance(window, str) else None
-            if match is None:
-                raise bad_request("'completion_window' must be like '24h'.", param="completion_window")
-            metadata = body.get("metadata")
-            if metadata is not None and not (
-                isinstance(metadata, dict)
-                and len(metadata) <= 16
-                and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-            ):
-                raise bad_request("'metadata' must map at most 16 strings to strings.", param="metadata")
-            input_file_id = body.get("input_file_id")
-            if not isinstance(input_file_id, str):
-                raise bad_request("'input_file_id' must be a file id.", param="input_file_id")
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        body = await read_json_object(request)
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise bad_request(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+        window = body.get("completion_window")
+        match = COMPLETION_WINDOW.match(window) if isinstance(window, str) else None
+        if match is None:
+            raise bad_request("'completion_window' must be like '24h'.", param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and not (
+            isinstance(metadata, dict)
+            and len(metadata) <= 16
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise bad_request("'metadata' must map at most 16 strings to strings.", param="metadata")
+        input_file_id = body.get("input_file_id")
+        if not isinstance(input_file_id, str):
+            raise bad_request("'input_file_id' must be a file id.", param="input_file_id")
 
-            def read_input(conn: sqlite3.Connection) -> tuple[Any, bytes | None]:
-                return select_file(conn, input_file_id, principal.key_id), select_content(
-                    conn, input_file_id, principal.key_id
+        def read_input(conn: sqlite3.Connection) -> tuple[Any, bytes | None]:
+            return select_file(conn, input_file_id, principal.key_id), select_content(
+                conn, input_file_id, principal.key_id
+            )
+
+        stored, content = await runtime.store.transaction(read_input)
+        if stored is None or content is None:
+            raise not_found("file", input_file_id)
+        if stored.purpose != "batch":
+            raise bad_request(f"File '{input_file_id}' has purpose '{stored.purpose}', not 'batch'.",
+                              param="input_file_id")  # fmt: skip
+        lines = parse_batch_lines(content, runtime.config.batch.max_requests)
+        for number, line in enumerate(lines, start=1):
+            if line.url != endpoint:
+                raise bad_request(
+                    f"Request {number} ({line.custom_id!r}) has url {line.url!r}, but the batch endpoint is "
+                    f"{endpoint!r}.",
+                    param="input_file_id",
                 )
+        window_s = int(match.group(1)) * 3600.0
+        now = runtime.now()
+        batch_id = new_id("batch_")
+        owner = owner_of(principal)
+        specs = [
+            NewJob(
+                id=new_id("batch_req_"),
+                key_id=principal.key_id,
+                owner=owner,
+                kind="batch",
+                endpoint=endpoint,
+                body=line.body,
+                priority=BATCH_PRIORITY,
+                max_time_in_queue_s=window_s,
+                batch_id=batch_id,
+                custom_id=line.custom_id,
+            )
+            for line in lines
+        ]
 
-            stored, content = await runtime.store.transaction(read_input)
-            if stored is None or content is None:
-                raise not_found("file", input_file_id)
-            if stored.purpose != "batch":
-                raise bad_request(f"File '{input_file_id}' has purpose '{stored.purpose}', not 'batch'.",
-                                  param="input_file_id")  # fmt: skip
-            lines = parse_batch_lines(content, runtime.config.batch.max_requests)
-            for number, line in enumerate(lines, start=1):
-                if line.url != endpoint:
-                    raise bad_request(
-                        f"Request {number} ({line.custom_id!r}) has url {line.url!r}, but the batch endpoint is "
-                        f"{endpoint!r}.",
-                        param="input_file_id",
-                    )
-            window_s = int(match.group(1)) * 3600.0
-            now = runtime.now()
-            batch_id = new_id("batch_")
-            owner = owner_of(principal)
-            specs = [
-                NewJob(
-                    id=new_id("batch_req_"),
-                    key_id=principal.key_id,
-                    owner=owner,
-                    kind="batch",
-                    endpoint=endpoint,
-                    body=line.body,
-                    priority=BATCH_PRIORITY,
-                    max_time_in_queue_s=window_s,
-                    batch_id=batch_id,
-                    custom_id=line.custom_id,
-                )
-                for line in lines
-            ]
+        def create(conn: sqlite3.Connection) -> dict[str, Any]:
+            conn.execute(
+                "INSERT INTO batches (id, key_id, endpoint, input_file_id, completion_window, status,"
+                " created_at, in_progress_at, expires_at, metadata, total)"
+                " VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
+                (
+                    batch_id, principal.key_id, endpoint, input_file_id, window, now, now, now + window_s,
+                    None if metadata is None else orjson.dumps(metadata).decode(), len(specs),
+                ),
+            )  # fmt: skip
+            JobStore.insert_jobs(conn, specs, now)
+            return select_batch(conn, batch_id, principal.key_id)
 
-            def create(conn: sqlite3.Connection) -> dict[str, Any]:
-                conn.execute(
-                    "INSERT INTO batches (id, key_id, endpoint, input_file_id, completion_window, status,"
-                    " created_at, in_progress_at, expires_at, metadata, total)"
-                    " VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
-                    (
-                        batch_id, principal.key_id, endpoint, input_file_id, window, now, now, now + window_s,
-                        None if metadata is None else orjson.dumps(metadata).decode(), len(specs),
-                    ),
-                )  # fmt: skip
-                JobStore.insert_jobs(conn, specs, now)
-                return select_batch(conn, batch_id, principal.key_id)
-
-            batch = await runtime.store.transaction(create)
-        except GatewayError as exc:
-            return error_response(exc)
+        batch = await runtime.store.transaction(create)
         runtime.metrics.submitted.labels("batch").inc(batch["request_counts"]["total"])
         runtime.workers.wake()
         return JSONResponse(batch)
 
     @router.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            limit_text = request.query_params.get("limit", "20")
-            if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
-                raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
-            limit = int(limit_text)
-            after = request.query_params.get("after")
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        limit_text = request.query_params.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
+            raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
+        limit = int(limit_text)
+        after = request.query_params.get("after")
 
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             query = "SELECT * FROM batches WHERE key_id = ?"
@@ -296,57 +290,47 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            batch = await runtime.store.transaction(
-                lambda conn: select_batch(conn, batch_id, principal.key_id)
-            )
-            if batch is None:
-                raise not_found("batch", batch_id)
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        batch = await runtime.store.transaction(lambda conn: select_batch(conn, batch_id, principal.key_id))
+        if batch is None:
+            raise not_found("batch", batch_id)
         return JSONResponse(batch)
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            now = runtime.now()
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        now = runtime.now()
 
-            def start_cancelling(conn: sqlite3.Connection) -> tuple[dict[str, Any] | None, list[str], int]:
-                batch = select_batch(conn, batch_id, principal.key_id)
-                if batch is None or batch["status"] != "in_progress":
-                    return batch, [], 0
-                conn.execute(
-                    "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?",
-                    (now, batch_id),
-                )
-                running = [r[0] for r in conn.execute(
-                    "SELECT id FROM jobs WHERE batch_id = ? AND status = 'running'", (batch_id,)
-                )]  # fmt: skip
-                cancelled = conn.execute(
-                    "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE batch_id = ?"
-                    " AND status IN ('queued', 'running')",
-                    (now, batch_id),
-                ).rowcount
-                return batch, running, cancelled
-
-            batch, running, cancelled = await runtime.store.transaction(start_cancelling)
-            runtime.metrics.finished.labels("batch", "cancelled").inc(cancelled)
-            if batch is None:
-                raise not_found("batch", batch_id)
-            if batch["status"] not in ("in_progress", "cancelling", "cancelled"):
-                raise GatewayError(
-                    409, f"Batch '{batch_id}' is already {batch['status']}.", code="batch_not_cancellable"
-                )
-            for job_id in running:
-                await runtime.workers.cancel_running(job_id)
-            await finalizer.finalize(batch_id)
-            batch = await runtime.store.transaction(
-                lambda conn: select_batch(conn, batch_id, principal.key_id)
+        def start_cancelling(conn: sqlite3.Connection) -> tuple[dict[str, Any] | None, list[str], int]:
+            batch = select_batch(conn, batch_id, principal.key_id)
+            if batch is None or batch["status"] != "in_progress":
+                return batch, [], 0
+            conn.execute(
+                "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?",
+                (now, batch_id),
             )
-        except GatewayError as exc:
-            return error_response(exc)
+            running = [r[0] for r in conn.execute(
+                "SELECT id FROM jobs WHERE batch_id = ? AND status = 'running'", (batch_id,)
+            )]  # fmt: skip
+            cancelled = conn.execute(
+                "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE batch_id = ?"
+                " AND status IN ('queued', 'running')",
+                (now, batch_id),
+            ).rowcount
+            return batch, running, cancelled
+
+        batch, running, cancelled = await runtime.store.transaction(start_cancelling)
+        runtime.metrics.finished.labels("batch", "cancelled").inc(cancelled)
+        if batch is None:
+            raise not_found("batch", batch_id)
+        if batch["status"] not in ("in_progress", "cancelling", "cancelled"):
+            raise GatewayError(
+                409, f"Batch '{batch_id}' is already {batch['status']}.", code="batch_not_cancellable"
+            )
+        for job_id in running:
+            await runtime.workers.cancel_running(job_id)
+        await finalizer.finalize(batch_id)
+        batch = await runtime.store.transaction(lambda conn: select_batch(conn, batch_id, principal.key_id))
         return JSONResponse(batch)
 
     return router

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from ember.gateway.errors import GatewayError, bad_request
-from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, error_response, not_found
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found
 from ember.gateway.jobs.store import new_id
 
 UPLOAD_PURPOSES = ("batch",)
@@ -144,49 +144,43 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/files")
     async def upload(request: Request) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-                raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limits.max_file_bytes + 65536:
-                raise GatewayError(
-                    413, f"Files may be at most {limits.max_file_bytes} bytes.", code="file_too_large"
-                )
-            try:
-                form = await request.form(max_files=1, max_fields=8, max_part_size=limits.max_file_bytes)
-            except Exception as exc:  # noqa: BLE001 - the multipart parser raises several types
-                raise bad_request(f"Could not parse the multipart body: {exc}") from None
-            try:
-                upload = form.get("file")
-                purpose = form.get("purpose")
-                if not isinstance(upload, UploadFile):
-                    raise bad_request("The 'file' field is missing or not a file.", param="file")
-                if purpose not in UPLOAD_PURPOSES:
-                    raise bad_request(f"'purpose' must be 'batch', got {purpose!r}.", param="purpose")
-                content = await upload.read()
-                filename = upload.filename or "upload.jsonl"
-            finally:
-                await form.close()
-            if len(content) > limits.max_file_bytes:
-                raise GatewayError(
-                    413, f"Files may be at most {limits.max_file_bytes} bytes.", code="file_too_large"
-                )
-            parse_batch_lines(content, limits.max_requests)
-            now = runtime.now()
-            stored = await runtime.store.transaction(
-                lambda conn: insert_file(conn, principal.key_id, filename, purpose, content, now)
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_file_bytes + 65536:
+            raise GatewayError(
+                413, f"Files may be at most {limits.max_file_bytes} bytes.", code="file_too_large"
             )
-        except GatewayError as exc:
-            return error_response(exc)
+        try:
+            form = await request.form(max_files=1, max_fields=8, max_part_size=limits.max_file_bytes)
+        except Exception as exc:  # noqa: BLE001 - the multipart parser raises several types
+            raise bad_request(f"Could not parse the multipart body: {exc}") from None
+        try:
+            upload = form.get("file")
+            purpose = form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise bad_request("The 'file' field is missing or not a file.", param="file")
+            if purpose not in UPLOAD_PURPOSES:
+                raise bad_request(f"'purpose' must be 'batch', got {purpose!r}.", param="purpose")
+            content = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+        finally:
+            await form.close()
+        if len(content) > limits.max_file_bytes:
+            raise GatewayError(
+                413, f"Files may be at most {limits.max_file_bytes} bytes.", code="file_too_large"
+            )
+        parse_batch_lines(content, limits.max_requests)
+        now = runtime.now()
+        stored = await runtime.store.transaction(
+            lambda conn: insert_file(conn, principal.key_id, filename, purpose, content, now)
+        )
         return JSONResponse(stored.to_public())
 
     @router.get("/v1/files")
     async def list_files(request: Request) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
 
         def read(conn: sqlite3.Connection) -> list[StoredFile]:
             rows = conn.execute(
@@ -201,44 +195,33 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            stored = await runtime.store.transaction(
-                lambda conn: select_file(conn, file_id, principal.key_id)
-            )
-            if stored is None:
-                raise not_found("file", file_id)
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        stored = await runtime.store.transaction(lambda conn: select_file(conn, file_id, principal.key_id))
+        if stored is None:
+            raise not_found("file", file_id)
         return JSONResponse(stored.to_public())
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            content = await runtime.store.transaction(
-                lambda conn: select_content(conn, file_id, principal.key_id)
-            )
-            if content is None:
-                raise not_found("file", file_id)
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        content = await runtime.store.transaction(
+            lambda conn: select_content(conn, file_id, principal.key_id)
+        )
+        if content is None:
+            raise not_found("file", file_id)
         return Response(content, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"))
 
-            def delete(conn: sqlite3.Connection) -> int:
-                return conn.execute(
-                    "DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, principal.key_id)
-                ).rowcount
+        def delete(conn: sqlite3.Connection) -> int:
+            return conn.execute(
+                "DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, principal.key_id)
+            ).rowcount
 
-            if not await runtime.store.transaction(delete):
-                raise not_found("file", file_id)
-        except GatewayError as exc:
-            return error_response(exc)
+        if not await runtime.store.transaction(delete):
+            raise not_found("file", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     return router

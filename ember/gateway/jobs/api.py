@@ -6,7 +6,8 @@
     DELETE /v1/async/jobs/{id}            cancel a queued or running job
     GET    /v1/async/webhook-secret       this key's whsec_ secret, to verify webhook signatures
 
-A key sees only its own jobs: another key's job id answers 404, like an unknown one.
+A key sees only its own jobs: another key's job id answers 404, like an unknown one. Routes here (and
+in files.py, batches.py) raise GatewayError; the gateway app renders it in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.gateway.errors import GatewayError, bad_request
-from ember.gateway.jobs.runtime import JobsRuntime, error_response, not_found, owner_of
+from ember.gateway.jobs.runtime import JobsRuntime, not_found, owner_of
 from ember.gateway.jobs.store import NewJob
 from ember.gateway.jobs.webhooks import WebhookURLError
 
@@ -66,36 +67,31 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     router = APIRouter()
 
     async def submit(request: Request, endpoint: str) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-            body = await read_json_object(request)
-            webhook_url = body.pop("webhook_url", None)
-            priority = body.pop("priority", DEFAULT_PRIORITY)
-            queue_limit = runtime.queue_limit_s(body.pop("max_time_in_queue_seconds", None))
-            if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 2:
-                raise bad_request("priority must be 0 (highest), 1 or 2.", param="priority")
-            if webhook_url is not None:
-                try:
-                    await runtime.webhooks.guard.resolve(webhook_url)
-                except WebhookURLError as exc:
-                    raise bad_request(str(exc), param="webhook_url", code="invalid_webhook_url") from None
-            validate_request_body(
-                body, endpoint, runtime.dispatcher.config.models, principal.policy.allows_model
+        principal = runtime.authenticate(request.headers.get("authorization"))
+        body = await read_json_object(request)
+        webhook_url = body.pop("webhook_url", None)
+        priority = body.pop("priority", DEFAULT_PRIORITY)
+        queue_limit = runtime.queue_limit_s(body.pop("max_time_in_queue_seconds", None))
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 2:
+            raise bad_request("priority must be 0 (highest), 1 or 2.", param="priority")
+        if webhook_url is not None:
+            try:
+                await runtime.webhooks.guard.resolve(webhook_url)
+            except WebhookURLError as exc:
+                raise bad_request(str(exc), param="webhook_url", code="invalid_webhook_url") from None
+        validate_request_body(body, endpoint, runtime.dispatcher.config.models, principal.policy.allows_model)
+        job = await runtime.store.create_job(
+            NewJob(
+                key_id=principal.key_id,
+                owner=owner_of(principal),
+                kind="async",
+                endpoint=endpoint,
+                body=body,
+                priority=priority,
+                max_time_in_queue_s=queue_limit,
+                webhook_url=webhook_url,
             )
-            job = await runtime.store.create_job(
-                NewJob(
-                    key_id=principal.key_id,
-                    owner=owner_of(principal),
-                    kind="async",
-                    endpoint=endpoint,
-                    body=body,
-                    priority=priority,
-                    max_time_in_queue_s=queue_limit,
-                    webhook_url=webhook_url,
-                )
-            )
-        except GatewayError as exc:
-            return error_response(exc)
+        )
         runtime.metrics.submitted.labels("async").inc()
         runtime.workers.wake()
         return JSONResponse(
@@ -120,39 +116,30 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/async/jobs/{job_id}")
     async def get_job(request: Request, job_id: str) -> Response:
-        try:
-            job = await owned_job(request, job_id)
-        except GatewayError as exc:
-            return error_response(exc)
+        job = await owned_job(request, job_id)
         return JSONResponse(job.to_public())
 
     @router.delete("/v1/async/jobs/{job_id}")
     async def cancel_job(request: Request, job_id: str) -> Response:
-        try:
-            job = await owned_job(request, job_id)
-            before = await runtime.store.cancel_job(job.id)
-            if before is None or before.is_terminal:
-                raise GatewayError(
-                    409,
-                    f"Job '{job_id}' already finished with status '{(before or job).status}'.",
-                    "invalid_request_error",
-                    "job_not_cancellable",
-                    "id",
-                )
-            runtime.metrics.finished.labels("async", "cancelled").inc()
-            if before.status == "running":
-                await runtime.workers.cancel_running(job.id)
-            job = await runtime.store.get_job(job.id)
-        except GatewayError as exc:
-            return error_response(exc)
+        job = await owned_job(request, job_id)
+        before = await runtime.store.cancel_job(job.id)
+        if before is None or before.is_terminal:
+            raise GatewayError(
+                409,
+                f"Job '{job_id}' already finished with status '{(before or job).status}'.",
+                "invalid_request_error",
+                "job_not_cancellable",
+                "id",
+            )
+        runtime.metrics.finished.labels("async", "cancelled").inc()
+        if before.status == "running":
+            await runtime.workers.cancel_running(job.id)
+        job = await runtime.store.get_job(job.id)
         return JSONResponse(job.to_public())
 
     @router.get("/v1/async/webhook-secret")
     async def webhook_secret(request: Request) -> Response:
-        try:
-            principal = runtime.authenticate(request.headers.get("authorization"))
-        except GatewayError as exc:
-            return error_response(exc)
+        principal = runtime.authenticate(request.headers.get("authorization"))
         return JSONResponse(
             {"object": "webhook.secret", "secret": runtime.webhooks.secret_for(principal.key_id)}
         )

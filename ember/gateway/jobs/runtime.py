@@ -9,8 +9,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from ember.gateway.config import KeyPolicy
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
@@ -26,10 +24,6 @@ ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "com
 
 def owner_of(principal: Principal) -> dict[str, Any]:
     return {"key_id": principal.key_id, "name": principal.name, "policy": principal.policy.model_dump()}
-
-
-def error_response(exc: GatewayError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
 
 def not_found(kind: str, object_id: str) -> GatewayError:
