@@ -9,7 +9,8 @@ Server frames:
     {"type": "delta", "id": "r1", "data": <the OpenAI stream chunk>}        one per chunk, as they come
     {"type": "final", "id": "r1", "usage": {...}, "finish_reasons": ["stop"]}
     {"type": "cancelled", "id": "r1"}
-    {"type": "error", "id": "r1" | null, "status": 400, "error": {"message", "type", "param", "code"}}
+    {"type": "error", "id": "r1" | null, "status": 429, "error": {"message", "type", "param", "code"},
+     "headers": {"retry-after": "2", ...}}                                  headers only when there are any
 
 Every request goes through the dispatcher (keys, limits, queue, routing) as a stream with usage.
 A malformed frame or a failed request gets an error frame; the socket stays open.
@@ -44,7 +45,10 @@ class WebSocketSession:
             await self.websocket.send_text(orjson.dumps(frame).decode())
 
     async def send_error(self, request_id: Any, exc: GatewayError) -> None:
-        await self.send({"type": "error", "id": request_id, "status": exc.status, **exc.to_dict()})
+        frame = {"type": "error", "id": request_id, "status": exc.status, **exc.to_dict()}
+        if exc.headers:  # e.g. retry-after and x-ratelimit-* on a 429
+            frame["headers"] = exc.headers
+        await self.send(frame)
 
     async def run(self) -> None:
         authorization = self.websocket.headers.get("authorization")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from gateway_harness import wait_until
+from gateway_harness import sha256, wait_until
 from protocols_support import (
     KEY,
     ProtocolGateway,
@@ -18,10 +18,14 @@ from protocols_support import (
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+SLOW_KEY = "sk-test-ws-slow"
+
 
 @pytest.fixture
 def gateway(real_replica, tmp_path):  # noqa: F811
-    gateway = ProtocolGateway(protocol_config([real_replica]), tmp_path).start()
+    config = protocol_config([real_replica])
+    config["keys"]["inline"].append({"name": "slow", "sha256": sha256(SLOW_KEY), "rpm": 1})
+    gateway = ProtocolGateway(config, tmp_path).start()
     yield gateway
     gateway.stop()
 
@@ -134,6 +138,21 @@ def test_auth_frame_and_malformed_frames_get_error_frames(gateway):
         while frames[-1]["type"] == "delta":
             frames.append(receive(socket))
         assert frames[-1]["type"] == "final" and frames[-1]["usage"]["completion_tokens"] == 1
+
+
+def test_rate_limited_request_gets_429_frame_with_headers(gateway):
+    request = {"type": "completions", "body": {"model": "tiny", "prompt": "a", "max_tokens": 1}}
+    with connect(gateway.ws_url, additional_headers=auth(SLOW_KEY)) as socket:
+        socket.send(json.dumps({**request, "id": "first"}))
+        frame = receive(socket)
+        while frame["type"] == "delta":
+            frame = receive(socket)
+        assert (frame["type"], frame["id"]) == ("final", "first")
+        socket.send(json.dumps({**request, "id": "second"}))
+        frame = receive(socket)
+    assert (frame["type"], frame["id"], frame["status"]) == ("error", "second", 429)
+    assert int(frame["headers"]["retry-after"]) >= 1
+    assert frame["headers"]["x-ratelimit-limit-requests"] == "1"
 
 
 def test_bad_authorization_header_closes_with_policy_violation(gateway):
