@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        proxy_headers=False,  # the gateway never reads the client address; skip the middleware per request
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         http="httptools" if importlib.util.find_spec("httptools") else "h11",
         timeout_graceful_shutdown=10,
