@@ -158,3 +158,19 @@ def test_async_config_paths_and_errors(tmp_path, monkeypatch):
         parse_config({"models": models, "async": {"jobs": {"concurrency": 0}}})
     with pytest.raises(GatewayConfigError, match=r"async\.grpc\.prot: Extra inputs are not permitted"):
         parse_config({"models": models, "async": {"grpc": {"prot": 1}}})
+
+
+async def test_one_process_per_store_and_clear_open_errors(tmp_path):
+    from ember.gateway.jobs.store import JobStoreError
+
+    first = JobStore(tmp_path / "jobs.db")
+    await first.open()
+    second = JobStore(tmp_path / "jobs.db")
+    with pytest.raises(JobStoreError, match="in use by another gateway process"):
+        await second.open()
+    await first.close()
+    await second.open()  # free again once the first one closed (or its process died)
+    await second.close()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(JobStoreError, match="cannot open the job store"):
+        await JobStore(tmp_path / "file" / "jobs.db").open()

@@ -9,6 +9,7 @@ while a job runs wins over the result that arrives later.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import secrets
 import sqlite3
@@ -18,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+
+from ember.errors import EmberError
 
 T = TypeVar("T")
 
@@ -100,6 +103,10 @@ CREATE TABLE IF NOT EXISTS meta (
     value TEXT NOT NULL
 );
 """
+
+
+class JobStoreError(EmberError):
+    """The job store cannot be opened (unwritable path, or another gateway process uses it)."""
 
 
 def new_id(prefix: str) -> str:
@@ -229,23 +236,45 @@ class JobStore:
         self.path = Path(path)
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None
+        self._lock_file: Any = None
 
     # -- plumbing -----------------------------------------------------------------------------
 
     async def open(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-jobstore")
-        await self._submit(self._open_sync)
+        try:
+            await self._submit(self._open_sync)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise
 
     def _open_sync(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        # A committed transaction survives a killed process in WAL mode with synchronous=NORMAL.
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(SCHEMA)
+        # One gateway process per store: crash recovery re-queues every job left running, which would
+        # steal the jobs another live process is running. The OS drops the lock when a process dies.
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock_file = open(self.path.with_name(self.path.name + ".lock"), "a")  # noqa: SIM115 - held open
+        except OSError as exc:
+            raise JobStoreError(f"cannot open the job store {self.path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise JobStoreError(f"the job store {self.path} is in use by another gateway process") from None
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            # A committed transaction survives a killed process in WAL mode with synchronous=NORMAL.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(SCHEMA)
+        except sqlite3.Error as exc:
+            lock_file.close()
+            raise JobStoreError(f"cannot open the job store {self.path}: {exc}") from None
         self._conn = conn
+        self._lock_file = lock_file
 
     async def close(self) -> None:
         if self._executor is None:
@@ -253,6 +282,9 @@ class JobStore:
         if self._conn is not None:
             await self._submit(self._conn.close)
             self._conn = None
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
         self._executor.shutdown(wait=True)
         self._executor = None
 
