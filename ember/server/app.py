@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from ember import __version__
+from ember.engine.async_engine import AsyncEngine
 from ember.server.admission import AdmissionController
 from ember.server.errors import APIError, install_error_handlers
 from ember.server.lifecycle import DrainGate, Lifecycle
@@ -34,7 +34,7 @@ from ember.server.settings import ServerSettings
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
-def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app. Starting it (lifespan) starts the engine thread; stopping it stops the engine."""
     lifecycle = Lifecycle(settings.drain_timeout)
     metrics = ServerMetrics(settings.served_model_names[0], engine.stats)

@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember import __version__
-from ember.engine.async_engine import EngineDeadError, EngineRequestError
+from ember.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from ember.engine.detokenizer import decode_token
+from ember.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.engine.sampling_params import SamplingParams
 from ember.server.admission import AdmissionController, AdmissionTicket
 from ember.server.errors import APIError, bad_request
@@ -46,9 +47,9 @@ class ChunkRenderer(Protocol):
 
     def preamble(self) -> list[bytes]: ...
 
-    def delta(self, index: int, choice: Any) -> bytes | None: ...
+    def delta(self, index: int, choice: CompletionOutput) -> bytes | None: ...
 
-    def final(self, index: int, choice: Any) -> bytes: ...
+    def final(self, index: int, choice: CompletionOutput) -> bytes: ...
 
     def usage(self, usage: Usage) -> bytes: ...
 
@@ -58,7 +59,7 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, settings: ServerSettings, admission: AdmissionController,
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, admission: AdmissionController,
                  metrics: ServerMetrics) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -149,7 +150,7 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int,
-                       ticket: AdmissionTicket) -> AsyncIterator[Any]:
+                       ticket: AdmissionTicket) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, with engine failures turned into API errors: 408 if the
         engine has not started the request within the queue timeout. Stopping early (client gone, error)
         closes the engine's stream, which aborts the request there and frees its KV blocks."""
@@ -182,7 +183,7 @@ class OpenAIServing:
         for request_id in list(self._running):
             await self.engine.abort(request_id)
 
-    def record_finished(self, record: AccessRecord, finals: list[Any], prompt_lens: list[int],
+    def record_finished(self, record: AccessRecord, finals: list[RequestOutput], prompt_lens: list[int],
                         generated: list[int], max_tokens: int, n: int) -> Usage:
         """Observe metrics of each finished engine request, fill the access record, return the usage."""
         cached = 0
@@ -201,19 +202,20 @@ class OpenAIServing:
         record.cached_tokens = cached
         return Usage.of(record.prompt_tokens, record.completion_tokens, cached)
 
-    async def stream_events(self, first: tuple[int, Any], merged: AsyncIterator[tuple[int, Any]],
+    async def stream_events(self, first: tuple[int, RequestOutput],
+                            merged: AsyncIterator[tuple[int, RequestOutput]],
                             renderer: ChunkRenderer, record: AccessRecord, prompt_lens: list[int],
                             max_tokens: int, n: int) -> AsyncIterator[bytes]:
         """The SSE body: the renderer's chunks for each engine output, the usage chunk, [DONE].
 
         Engine outputs are deltas and list every choice each time; a choice already finished is skipped."""
         num_prompts = len(prompt_lens)
-        finals: list[Any] = [None] * num_prompts
+        finals: list[RequestOutput | None] = [None] * num_prompts
         generated = [0] * num_prompts
         last_token_time: list[float | None] = [None] * num_prompts
         done: set[int] = set()
         itl = self.metrics.itl
-        item: tuple[int, Any] | None = first
+        item: tuple[int, RequestOutput] | None = first
         try:
             for event in renderer.preamble():
                 yield event
@@ -255,16 +257,16 @@ class OpenAIServing:
 
     # ---- logprobs -----------------------------------------------------------------------------------
 
-    def token_text(self, token_id: int, logprob: Any | None) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return decode_token(self.tokenizer, token_id, self._token_text_cache)
 
-    def _top(self, entries: dict[int, Any], k: int) -> list[tuple[str, float]]:
+    def _top(self, entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
         ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:k]
         return [(self.token_text(tid, lp), max(lp.logprob, MIN_LOGPROB)) for tid, lp in ranked]
 
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Any]], k: int) -> ChatLogprobs:
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
         content = []
         for token_id, entries in zip(token_ids, logprobs, strict=False):
             sampled = entries.get(token_id)
@@ -278,7 +280,7 @@ class OpenAIServing:
             ))
         return ChatLogprobs(content=content)
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Any] | None], k: int,
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int,
                             text_offset: int) -> CompletionLogprobs:
         """Completions' logprobs; an entry of None (the first prompt token with echo) has no logprob."""
         result = CompletionLogprobs()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ember.engine.outputs import CompletionOutput, RequestOutput
 from ember.server.errors import bad_request
 from ember.server.middleware import access_record
 from ember.server.protocol import (
@@ -94,7 +95,7 @@ class ChatServing(OpenAIServing):
         return json_response(response)
 
 
-async def _last(merged: Any) -> Any:
+async def _last(merged: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
     final = None
     async for _, output in merged:
         final = output
@@ -121,7 +122,7 @@ class _ChatChunks:
         return [self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
                 for index in range(self._n)]
 
-    def delta(self, index: int, choice: Any) -> bytes | None:
+    def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._top_logprobs is None:
             if not choice.text:
                 return None
@@ -134,10 +135,10 @@ class _ChatChunks:
             return None
         return self._event(self._choice(index, choice, None))
 
-    def final(self, index: int, choice: Any) -> bytes:
+    def final(self, index: int, choice: CompletionOutput) -> bytes:
         return self._event(self._choice(index, choice, choice.finish_reason))
 
-    def _choice(self, index: int, choice: Any, finish_reason: str | None) -> ChatCompletionChunkChoice:
+    def _choice(self, index: int, choice: CompletionOutput, finish_reason: str | None) -> ChatCompletionChunkChoice:
         logprobs = None
         if self._top_logprobs is not None and choice.logprobs is not None:
             logprobs = self._serving.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)

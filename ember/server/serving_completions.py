@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ember.engine.outputs import CompletionOutput, RequestOutput
 from ember.server.errors import bad_request
 from ember.server.middleware import access_record
 from ember.server.protocol import (
@@ -109,8 +111,8 @@ class CompletionsServing(OpenAIServing):
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
 
 
-async def _collect(merged: Any, num_prompts: int) -> list[Any]:
-    finals: list[Any] = [None] * num_prompts
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * num_prompts
     async for prompt_index, output in merged:
         finals[prompt_index] = output
     return finals
@@ -144,7 +146,7 @@ class _CompletionChunks:
                                                          finish_reason=None)))
                 for index in range(self._num_choices)]
 
-    def delta(self, index: int, choice: Any) -> bytes | None:
+    def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._logprobs is None:
             if not choice.text:
                 return None
@@ -157,10 +159,10 @@ class _CompletionChunks:
             return None
         return self._event(self._chunk(self._choice(index, choice, None)))
 
-    def final(self, index: int, choice: Any) -> bytes:
+    def final(self, index: int, choice: CompletionOutput) -> bytes:
         return self._event(self._chunk(self._choice(index, choice, choice.finish_reason)))
 
-    def _choice(self, index: int, choice: Any, finish_reason: str | None) -> CompletionChoice:
+    def _choice(self, index: int, choice: CompletionOutput, finish_reason: str | None) -> CompletionChoice:
         logprobs = None
         if self._logprobs is not None and choice.logprobs is not None:
             logprobs = self._serving.completion_logprobs(choice.token_ids, choice.logprobs, self._logprobs,

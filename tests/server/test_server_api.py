@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -199,6 +201,10 @@ def test_access_log_has_one_line_per_request(server, auth):
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "trace-42"
     completion_id = response.json()["id"]
+    # The line is written once the response has been sent, so it may land just after the client has it.
+    deadline = time.monotonic() + 30
+    while completion_id not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
     lines = [line for line in server.log().splitlines() if completion_id in line]
     assert len(lines) == 1
     line = lines[0]
