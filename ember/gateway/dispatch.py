@@ -209,7 +209,8 @@ class Dispatcher:
                     raise UpstreamFailure(
                         f"http_{response.status}", f"HTTP {response.status}", False, response.status, body
                     )
-                if not stream or response.status != 200:
+                is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+                if not stream or response.status != 200 or not is_sse:
                     body = await read_body(response)
                     result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
                     self.pool.mark_success(replica)

@@ -25,6 +25,10 @@ class UpstreamClosed(ConnectionResetError):
     """The replica closed the connection before the response was complete."""
 
 
+class ConnectTimeout(ConnectionError):
+    """No connection to the replica within `connect_s`: as good as unreachable."""
+
+
 class _Origin:
     """Where one replica lives, with its request-line prefix prebuilt."""
 
@@ -256,10 +260,10 @@ class HttpClient:
             try:
                 await response.start()
                 return response
-            except (ConnectionError, OSError) as exc:
+            except ConnectionError:
                 response.close()
                 # A kept-alive connection the replica closed while idle: not the replica's failure.
-                if connection.reused and not isinstance(exc, ConnectionRefusedError):
+                if connection.reused:
                     continue
                 raise
             except BaseException:
@@ -274,13 +278,16 @@ class HttpClient:
                 connection.reused = True
                 return connection
         loop = asyncio.get_running_loop()
-        _, connection = await asyncio.wait_for(
-            loop.create_connection(
-                lambda: _Connection(loop, self.read_s), origin.host, origin.port,
-                ssl=origin.ssl, server_hostname=origin.host if origin.ssl else None,
-            ),
-            self.connect_s,
-        )  # fmt: skip
+        try:
+            _, connection = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _Connection(loop, self.read_s), origin.host, origin.port,
+                    ssl=origin.ssl, server_hostname=origin.host if origin.ssl else None,
+                ),
+                self.connect_s,
+            )  # fmt: skip
+        except TimeoutError:
+            raise ConnectTimeout(f"no connection to {origin.host}:{origin.port} within {self.connect_s} s") from None
         return connection
 
     def _put_idle(self, origin: _Origin, connection: _Connection) -> None:

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from ember.gateway.config import TimeoutsConfig
-from ember.gateway.http_client import HttpClient, UpstreamResponse
+from ember.gateway.http_client import ConnectTimeout, HttpClient, UpstreamResponse
 from ember.gateway.replicas import Replica
 
 DONE = b"[DONE]"
@@ -40,7 +40,7 @@ def classify(exc: BaseException) -> UpstreamFailure:
     """Map a client exception to a failure with a short reason (a metrics label)."""
     if isinstance(exc, TimeoutError):
         return UpstreamFailure("timeout", "timed out waiting for the replica", eject_now=False)
-    if isinstance(exc, ConnectionRefusedError):
+    if isinstance(exc, ConnectionRefusedError | ConnectTimeout):
         return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
     if isinstance(exc, ConnectionError):
         return UpstreamFailure("disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True)

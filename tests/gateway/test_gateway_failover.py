@@ -125,3 +125,19 @@ def test_no_healthy_replica_is_a_503(start_gateway):
     second = chat(gateway)
     assert second.status_code == 503
     assert second.json()["error"]["code"] == "no_healthy_replica"
+
+
+def test_pooled_connections_a_restarted_replica_closed_are_not_failures(start_gateway):
+    replica = FakeReplica("bouncy").start()
+    try:
+        models = {"tiny": {"deployments": [{"replicas": [{"url": replica.url, "id": "bouncy"}]}]}}
+        gateway = start_gateway(gateway_config(models, [dict(KEY)], health=SLOW_PROBES))
+        assert chat(gateway).status_code == 200  # leaves a kept-alive connection in the pool
+        replica.stop()
+        replica.start()  # same port; the pooled connection is now closed by its peer
+        assert chat(gateway).status_code == 200
+        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="disconnected") == 0
+        assert gateway.metric("ember_gateway_ejections_total", replica="bouncy", reason="disconnected") == 0
+        assert gateway.dispatcher.pool.get("bouncy").healthy
+    finally:
+        replica.stop()
