@@ -4,6 +4,7 @@ Nothing here is thread-safe; AsyncEngine drives one LLMEngine from a single thre
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -352,7 +353,7 @@ class LLMEngine:
             outputs=completions,
             finished=request.finished or final,
             num_cached_tokens=parent.num_cached_tokens if parent is not None else 0,
-            metrics=dataclasses.replace(request.metrics),
+            metrics=copy.copy(request.metrics),
             error=request.error,
         )
 
