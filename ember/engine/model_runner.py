@@ -99,7 +99,9 @@ class ModelRunner:
         results: list[SampledToken | None] = [None] * len(scheduled)
         if not sample_rows:
             return results
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < hidden.shape[0]:  # all-decode steps sample every row
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         tokens = self.sampler(logits, [scheduled[i].seq for i in sampled_seqs])
         for i, token in zip(sampled_seqs, tokens, strict=True):
             results[i] = token
