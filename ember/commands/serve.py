@@ -16,29 +16,61 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models, /metrics, ...). SIGTERM or Ctrl-C drains in-flight requests, then exits.",
+        "/v1/models, /metrics, ...). SIGTERM or Ctrl-C drains in-flight requests, then exits.",
     )
     EngineArgs.add_cli_args(parser)
     group = parser.add_argument_group("server")
-    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="model name(s) clients send in 'model' (default: the --model value)")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients send in 'model' (default: the --model value)",
+    )
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    group.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                            "(default: $EMBER_API_KEY, else no key)")
-    group.add_argument("--max-queued-requests", type=int, default=None,
-                       help="requests allowed to wait for the engine; more get 429 (default: unbounded)")
-    group.add_argument("--max-queued-tokens", type=int, default=None,
-                       help="prompt tokens allowed to wait for the engine; more get 429 (default: unbounded)")
-    group.add_argument("--queue-timeout", type=float, default=None,
-                       help="seconds a request may wait for the engine before it gets 408 (default: no limit)")
-    group.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default: %(default)s)")
-    group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
-                       help="largest request body accepted; larger gets 413 (default: %(default)s)")
-    group.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                       help="server and access-log verbosity (default: %(default)s)")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("EMBER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(default: $EMBER_API_KEY, else no key)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests allowed to wait for the engine; more get 429 (default: unbounded)",
+    )
+    group.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens allowed to wait for the engine; more get 429 (default: unbounded)",
+    )
+    group.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may wait for the engine before it gets 408 (default: no limit)",
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="largest request body accepted; larger gets 413 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="server and access-log verbosity (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -51,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     from ember.server.lifecycle import DrainingServer
     from ember.server.settings import ServerSettings
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or [args.model]),
         api_key=args.api_key or None,

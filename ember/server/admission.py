@@ -52,12 +52,19 @@ class AdmissionController:
                 self.queued_requests + num_requests > self.max_queued_requests
             ):
                 self._reject(f"{self.queued_requests} requests waiting, limit {self.max_queued_requests}")
-            if self.max_queued_tokens is not None and self.queued_tokens + num_tokens > self.max_queued_tokens:
+            if (
+                self.max_queued_tokens is not None
+                and self.queued_tokens + num_tokens > self.max_queued_tokens
+            ):
                 self._reject(f"{self.queued_tokens} prompt tokens waiting, limit {self.max_queued_tokens}")
         self.queued_requests += num_requests
         self.queued_tokens += num_tokens
         return AdmissionTicket(self, num_requests, num_tokens)
 
     def _reject(self, message: str) -> None:
-        raise APIError(429, f"Too many requests: the server queue is full ({message}); retry later", code="queue_full",
-                       headers={"Retry-After": str(self.retry_after_s)})
+        raise APIError(
+            429,
+            f"Too many requests: the server queue is full ({message}); retry later",
+            code="queue_full",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )

@@ -34,12 +34,14 @@ from ember.server.settings import ServerSettings
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
+
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app. Starting it (lifespan) starts the engine thread; stopping it stops the engine."""
     lifecycle = Lifecycle(settings.drain_timeout)
     metrics = ServerMetrics(settings.served_model_names[0], engine.stats)
-    admission = AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
-                                    settings.retry_after_s)
+    admission = AdmissionController(
+        settings.max_queued_requests, settings.max_queued_tokens, settings.retry_after_s
+    )
     chat = ChatServing(engine, settings, admission, metrics)
     completions = CompletionsServing(engine, settings, admission, metrics)
     created = int(time.time())
@@ -58,8 +60,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             lifecycle.ready = False
             await engine.shutdown()
 
-    app = FastAPI(title="Ember", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="Ember", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.lifecycle = lifecycle
     app.state.abort_all = abort_all
     app.state.metrics = metrics
@@ -75,9 +78,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        cards = [ModelCard(id=name, created=created, root=str(engine.engine.source),
-                           max_model_len=engine.max_model_len)
-                 for name in settings.served_model_names]
+        cards = [
+            ModelCard(
+                id=name, created=created, root=str(engine.engine.source), max_model_len=engine.max_model_len
+            )
+            for name in settings.served_model_names
+        ]
         return json_response(ModelList(data=cards))
 
     @app.post("/tokenize")
@@ -88,8 +94,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         token_strs = [text or "" for text in engine.tokenizer.convert_ids_to_tokens(tokens)]
-        return json_response(TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len,
-                                              tokens=tokens, token_strs=token_strs))
+        return json_response(
+            TokenizeResponse(
+                count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=token_strs
+            )
+        )
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
@@ -127,4 +136,3 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(AccessLog)
     return app
-

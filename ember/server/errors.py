@@ -53,11 +53,22 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> Response:
-        return Response(orjson.dumps(self.body()), status_code=self.status, headers=self.headers,
-                        media_type="application/json")
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -95,7 +106,9 @@ def _field_path(loc: tuple) -> str:
     return ".".join(parts)
 
 
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"})
+_UNION_TAGS = frozenset(
+    {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -44,7 +44,9 @@ class Lifecycle:
         self._idle = asyncio.Event()
         if self.in_flight == 0:
             return
-        logger.info("draining: waiting up to %.1f s for %d request(s) in flight", self.drain_timeout, self.in_flight)
+        logger.info(
+            "draining: waiting up to %.1f s for %d request(s) in flight", self.drain_timeout, self.in_flight
+        )
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout)
         except TimeoutError:
@@ -70,8 +72,12 @@ class DrainGate:
             await self.app(scope, receive, send)
             return
         if self.lifecycle.draining:
-            error = APIError(503, "The server is shutting down and accepts no new requests",
-                             code="server_draining", headers={"Retry-After": "1"})
+            error = APIError(
+                503,
+                "The server is shutting down and accepts no new requests",
+                code="server_draining",
+                headers={"Retry-After": "1"},
+            )
             await error.response()(scope, receive, send)
             return
         self.lifecycle.request_started()
@@ -84,8 +90,9 @@ class DrainGate:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with SIGTERM/SIGINT starting a drain instead of closing the listener at once."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle,
-                 abort_all: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, lifecycle: Lifecycle, abort_all: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__(config)
         self._lifecycle = lifecycle
         self._abort_all = abort_all

@@ -26,12 +26,74 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 # vLLM's buckets, so dashboards' quantile panels line up.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 TOKEN_COUNT_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 N_BUCKETS = [1, 2, 5, 10, 20]
 
@@ -53,35 +115,65 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(f"ember:{name}", doc, labels, buckets=buckets, registry=self._families
-                             ).labels(model_name)
+            return Histogram(f"ember:{name}", doc, labels, buckets=buckets, registry=self._families).labels(
+                model_name
+            )
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = LoopHistogram(ITL_BUCKETS)  # observed once per streamed token: kept lock-free
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", ITL_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            ITL_BUCKETS,
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                      LATENCY_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
-                                        LATENCY_BUCKETS)
-        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)
-        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
-                                           TOKEN_COUNT_BUCKETS)
-        self.max_tokens = histogram("request_params_max_tokens", "max_tokens per request.", TOKEN_COUNT_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to finish.", LATENCY_BUCKETS
+        )
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.max_tokens = histogram(
+            "request_params_max_tokens", "max_tokens per request.", TOKEN_COUNT_BUCKETS
+        )
         self.params_n = histogram("request_params_n", "n per request.", N_BUCKETS)
-        self._success = Counter("ember:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self._families)
-        self._rejected = Counter("ember:request_rejected", "Requests refused by admission or drain, by reason.",
-                                 ["model_name", "reason"], registry=self._families)
+        self._success = Counter(
+            "ember:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self._families,
+        )
+        self._rejected = Counter(
+            "ember:request_rejected",
+            "Requests refused by admission or drain, by reason.",
+            ["model_name", "reason"],
+            registry=self._families,
+        )
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_PrefixedCollector(self))
 
-    def observe_finished(self, metrics: Any, finish_reason: str, num_prompt_tokens: int,
-                         num_generation_tokens: int, max_tokens: int, n: int) -> None:
+    def observe_finished(
+        self,
+        metrics: Any,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        max_tokens: int,
+        n: int,
+    ) -> None:
         """Record one finished engine request from its RequestMetrics (time.monotonic() seconds)."""
         arrival = metrics.arrival_time
         scheduled = metrics.first_scheduled_time or arrival
@@ -110,8 +202,9 @@ class ServerMetrics:
         return prometheus_client.generate_latest(self.registry)
 
     def loop_families(self) -> Iterator[Metric]:
-        yield self.itl.family("ember:inter_token_latency_seconds", "Time between two streamed tokens.",
-                              self.model_name)
+        yield self.itl.family(
+            "ember:inter_token_latency_seconds", "Time between two streamed tokens.", self.model_name
+        )
 
     def engine_families(self) -> Iterator[Metric]:
         stats = self._engine_stats()
@@ -128,16 +221,26 @@ class ServerMetrics:
             return family
 
         yield gauge("num_requests_running", "Requests in the engine's running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting for the engine to schedule them.", stats.num_waiting)
+        yield gauge(
+            "num_requests_waiting", "Requests waiting for the engine to schedule them.", stats.num_waiting
+        )
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
         yield counter("num_preemptions", "Preemptions since start.", stats.num_preempted_total)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
-        yield counter("prompt_tokens", "Prompt tokens processed (prefilled or cached).", stats.prompt_tokens_total)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
+        yield counter(
+            "prompt_tokens", "Prompt tokens processed (prefilled or cached).", stats.prompt_tokens_total
+        )
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
-        lora = GaugeMetricFamily("ember:lora_requests_info", "LoRA adapters in use (none: Ember serves no LoRA).",
-                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora = GaugeMetricFamily(
+            "ember:lora_requests_info",
+            "LoRA adapters in use (none: Ember serves no LoRA).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
         lora.add_metric(["0", "", ""], time.time())
         yield lora
 
@@ -180,10 +283,14 @@ class _PrefixedCollector(Collector):
             base = family.name.removeprefix("ember:")
             for prefix in PREFIXES:
                 for name in (base, *ALIASES.get(base, ())):
-                    yield family if prefix + name == family.name else _renamed(family, family.name, prefix + name)
+                    yield (
+                        family
+                        if prefix + name == family.name
+                        else _renamed(family, family.name, prefix + name)
+                    )
 
 
 def _renamed(family: Metric, old: str, new: str) -> Metric:
     copy = Metric(new, family.documentation, family.type, family.unit)
-    copy.samples = [sample._replace(name=new + sample.name[len(old):]) for sample in family.samples]
+    copy.samples = [sample._replace(name=new + sample.name[len(old) :]) for sample in family.samples]
     return copy

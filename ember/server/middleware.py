@@ -25,8 +25,15 @@ QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 class AccessRecord:
     """What the serving code learns about a request, for its access-log line."""
 
-    __slots__ = ("request_id", "completion_id", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft",
-                 "finish_reason")
+    __slots__ = (
+        "request_id",
+        "completion_id",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "ttft",
+        "finish_reason",
+    )
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -118,8 +125,9 @@ class BodySizeLimit:
         await self.app(scope, counting_receive, send)
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"Request body too large: the limit is {self.max_bytes} bytes",
-                        code="request_too_large")
+        return APIError(
+            413, f"Request body too large: the limit is {self.max_bytes} bytes", code="request_too_large"
+        )
 
 
 class APIKeyAuth:
@@ -135,8 +143,12 @@ class APIKeyAuth:
         if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
             provided = (_header(scope, b"authorization") or "").encode()
             if not hmac.compare_digest(provided, self._expected):
-                error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    401,
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

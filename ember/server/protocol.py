@@ -43,7 +43,9 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)  # torch generator range, plus n siblings
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - 1 - MAX_N
+    )  # torch generator range, plus n siblings
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
@@ -124,7 +126,9 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n, which is the same as leaving it out)")
+            raise ValueError(
+                "best_of is not supported (only best_of == n, which is the same as leaving it out)"
+            )
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

@@ -59,8 +59,13 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, admission: AdmissionController,
-                 metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        settings: ServerSettings,
+        admission: AdmissionController,
+        metrics: ServerMetrics,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
@@ -78,8 +83,12 @@ class OpenAIServing:
         if requested is None or requested == "":
             return names[0]
         if requested not in names:
-            raise APIError(404, f"The model `{requested}` does not exist (this server serves: {', '.join(names)})",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist (this server serves: {', '.join(names)})",
+                param="model",
+                code="model_not_found",
+            )
         return requested
 
     def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:
@@ -87,8 +96,9 @@ class OpenAIServing:
             raise bad_request("The prompt is empty (it encodes to zero tokens)", param=param)
         vocab_size = self.engine.model_config.vocab_size
         if max(token_ids) >= vocab_size:
-            raise bad_request(f"Token id {max(token_ids)} is out of range (vocabulary size {vocab_size})",
-                              param=param)
+            raise bad_request(
+                f"Token id {max(token_ids)} is out of range (vocabulary size {vocab_size})", param=param
+            )
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
         """`requested` if prompt + completion fit the context, else 400 context_length_exceeded."""
@@ -97,7 +107,9 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
-                param=param, code="context_length_exceeded")
+                param=param,
+                code="context_length_exceeded",
+            )
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
@@ -105,11 +117,20 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
                 f"Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
-    def sampling_params(self, request: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        streaming: bool, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingFields,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        streaming: bool,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 n=request.n,
@@ -149,8 +170,14 @@ class OpenAIServing:
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int,
-                       ticket: AdmissionTicket) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        ticket: AdmissionTicket,
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, with engine failures turned into API errors: 408 if the
         engine has not started the request within the queue timeout. Stopping early (client gone, error)
         closes the engine's stream, which aborts the request there and frees its KV blocks."""
@@ -162,8 +189,12 @@ class OpenAIServing:
                     output = await anext(stream)
             except TimeoutError:
                 self.metrics.count_rejected("queue_timeout")
-                raise APIError(408, f"The request waited more than {self.settings.queue_timeout:g} s in the "
-                                    "queue and was dropped; retry later", code="queue_timeout") from None
+                raise APIError(
+                    408,
+                    f"The request waited more than {self.settings.queue_timeout:g} s in the "
+                    "queue and was dropped; retry later",
+                    code="queue_timeout",
+                ) from None
             ticket.started()
             yield output
             async for output in stream:
@@ -183,8 +214,15 @@ class OpenAIServing:
         for request_id in list(self._running):
             await self.engine.abort(request_id)
 
-    def record_finished(self, record: AccessRecord, finals: list[RequestOutput], prompt_lens: list[int],
-                        generated: list[int], max_tokens: int, n: int) -> Usage:
+    def record_finished(
+        self,
+        record: AccessRecord,
+        finals: list[RequestOutput],
+        prompt_lens: list[int],
+        generated: list[int],
+        max_tokens: int,
+        n: int,
+    ) -> Usage:
         """Observe metrics of each finished engine request, fill the access record, return the usage."""
         cached = 0
         record.ttft = None
@@ -202,10 +240,16 @@ class OpenAIServing:
         record.cached_tokens = cached
         return Usage.of(record.prompt_tokens, record.completion_tokens, cached)
 
-    async def stream_events(self, first: tuple[int, RequestOutput],
-                            merged: AsyncIterator[tuple[int, RequestOutput]],
-                            renderer: ChunkRenderer, record: AccessRecord, prompt_lens: list[int],
-                            max_tokens: int, n: int) -> AsyncIterator[bytes]:
+    async def stream_events(
+        self,
+        first: tuple[int, RequestOutput],
+        merged: AsyncIterator[tuple[int, RequestOutput]],
+        renderer: ChunkRenderer,
+        record: AccessRecord,
+        prompt_lens: list[int],
+        max_tokens: int,
+        n: int,
+    ) -> AsyncIterator[bytes]:
         """The SSE body: the renderer's chunks for each engine output, the usage chunk, [DONE].
 
         Engine outputs are deltas and list every choice each time; a choice already finished is skipped."""
@@ -271,17 +315,22 @@ class OpenAIServing:
         for token_id, entries in zip(token_ids, logprobs, strict=False):
             sampled = entries.get(token_id)
             text = self.token_text(token_id, sampled)
-            content.append(ChatTokenLogprob(
-                token=text,
-                logprob=MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB),
-                bytes=list(text.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-                              for t, lp in self._top(entries, k)],
-            ))
+            content.append(
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB),
+                    bytes=list(text.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
+                        for t, lp in self._top(entries, k)
+                    ],
+                )
+            )
         return ChatLogprobs(content=content)
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int,
-                            text_offset: int) -> CompletionLogprobs:
+    def completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int, text_offset: int
+    ) -> CompletionLogprobs:
         """Completions' logprobs; an entry of None (the first prompt token with echo) has no logprob."""
         result = CompletionLogprobs()
         for token_id, entries in zip(token_ids, logprobs, strict=False):
@@ -294,7 +343,9 @@ class OpenAIServing:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            result.token_logprobs.append(MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB))
+            result.token_logprobs.append(
+                MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB)
+            )
             top = dict(self._top(entries, k))
             if sampled is not None:  # as vLLM (and OpenAI's legacy API): the chosen token is always listed
                 top.setdefault(text, max(sampled.logprob, MIN_LOGPROB))
@@ -372,4 +423,3 @@ def json_response(body: BaseModel) -> Response:
 
 def unix_time() -> int:
     return int(time.time())
-

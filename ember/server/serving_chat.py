@@ -38,7 +38,9 @@ class ChatServing(OpenAIServing):
     def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         conversation = [{"role": message.role, "content": message.text()} for message in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         # The template writes the special tokens (BOS, role markers) itself.
@@ -50,8 +52,9 @@ class ChatServing(OpenAIServing):
         self.check_prompt_tokens(prompt_ids, "messages")
         max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, "messages")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=top_logprobs,
-                                      streaming=request.stream)
+        params = self.sampling_params(
+            request, max_tokens=max_tokens, logprobs=top_logprobs, streaming=request.stream
+        )
         prompt_lens = [len(prompt_ids)]
         ticket = self.admit(1, len(prompt_ids))
         request_id = self.new_request_id("chatcmpl")
@@ -81,7 +84,8 @@ class ChatServing(OpenAIServing):
             ChatCompletionChoice(
                 index=choice.index,
                 message=AssistantMessage(content=choice.text),
-                logprobs=None if top_logprobs is None or choice.logprobs is None
+                logprobs=None
+                if top_logprobs is None or choice.logprobs is None
                 else self.chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
@@ -90,8 +94,14 @@ class ChatServing(OpenAIServing):
         ]
         generated = [sum(len(choice.token_ids) for choice in final.outputs)]
         usage = self.record_finished(record, [final], prompt_lens, generated, max_tokens, request.n)
-        response = ChatCompletionResponse(id=request_id, created=created, model=model,
-                                          system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage)
+        response = ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices,
+            usage=usage,
+        )
         return json_response(response)
 
 
@@ -105,10 +115,20 @@ async def _last(merged: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutp
 class _ChatChunks:
     """Chunks of a streamed chat completion: the role first, then content deltas, then the finish."""
 
-    def __init__(self, serving: ChatServing, request_id: str, created: int, model: str, n: int,
-                 top_logprobs: int | None, include_usage: bool) -> None:
+    def __init__(
+        self,
+        serving: ChatServing,
+        request_id: str,
+        created: int,
+        model: str,
+        n: int,
+        top_logprobs: int | None,
+        include_usage: bool,
+    ) -> None:
         self._serving = serving
-        self._header = dict(id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT)
+        self._header = dict(
+            id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT
+        )
         self._n = n
         self._top_logprobs = top_logprobs
         self.include_usage = include_usage
@@ -119,8 +139,12 @@ class _ChatChunks:
         return sse_event(chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"}))
 
     def preamble(self) -> list[bytes]:
-        return [self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-                for index in range(self._n)]
+        return [
+            self._event(
+                ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            )
+            for index in range(self._n)
+        ]
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._top_logprobs is None:
@@ -128,8 +152,11 @@ class _ChatChunks:
                 return None
             template = self._templates.get(index)
             if template is None:
-                template = self._templates[index] = TextChunkTemplate(self._event(
-                    ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=TEXT_MARKER))))
+                template = self._templates[index] = TextChunkTemplate(
+                    self._event(
+                        ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=TEXT_MARKER))
+                    )
+                )
             return template.render(choice.text)
         if not choice.token_ids:
             return None
@@ -138,13 +165,19 @@ class _ChatChunks:
     def final(self, index: int, choice: CompletionOutput) -> bytes:
         return self._event(self._choice(index, choice, choice.finish_reason))
 
-    def _choice(self, index: int, choice: CompletionOutput, finish_reason: str | None) -> ChatCompletionChunkChoice:
+    def _choice(
+        self, index: int, choice: CompletionOutput, finish_reason: str | None
+    ) -> ChatCompletionChunkChoice:
         logprobs = None
         if self._top_logprobs is not None and choice.logprobs is not None:
             logprobs = self._serving.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
-        return ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=choice.text), logprobs=logprobs,
-                                         finish_reason=finish_reason,
-                                         stop_reason=choice.stop_reason if finish_reason else None)
+        return ChatCompletionChunkChoice(
+            index=index,
+            delta=DeltaMessage(content=choice.text),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason if finish_reason else None,
+        )
 
     def usage(self, usage: Usage) -> bytes:
         return self._event(None, usage)

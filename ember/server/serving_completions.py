@@ -35,20 +35,29 @@ class CompletionsServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.served_model(request.model)
         if request.echo and request.logprobs is not None:
-            raise bad_request("echo together with logprobs needs prompt logprobs, which Ember does not compute",
-                              param="echo")
+            raise bad_request(
+                "echo together with logprobs needs prompt logprobs, which Ember does not compute",
+                param="echo",
+            )
         prompts = request.prompts
         if isinstance(prompts[0], str):
-            prompt_ids = self.tokenizer.encode_batch(prompts) if len(prompts) > 1 else [
-                self.tokenizer.encode(prompts[0])]
+            prompt_ids = (
+                self.tokenizer.encode_batch(prompts)
+                if len(prompts) > 1
+                else [self.tokenizer.encode(prompts[0])]
+            )
         else:
             prompt_ids = prompts
         for ids in prompt_ids:
             self.check_prompt_tokens(ids, "prompt")
         streaming = request.stream
         params = [
-            self.sampling_params(request, max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
-                                 logprobs=request.logprobs, streaming=streaming)
+            self.sampling_params(
+                request,
+                max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
+                logprobs=request.logprobs,
+                streaming=streaming,
+            )
             for ids in prompt_ids
         ]
         prompt_lens = [len(ids) for ids in prompt_ids]
@@ -58,8 +67,13 @@ class CompletionsServing(OpenAIServing):
         record.completion_id = request_id
         record.prompt_tokens = sum(prompt_lens)
         streams = [
-            self.generate(ids, sampling, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}",
-                          request.priority, ticket)
+            self.generate(
+                ids,
+                sampling,
+                request_id if len(prompt_ids) == 1 else f"{request_id}-{i}",
+                request.priority,
+                ticket,
+            )
             for i, (ids, sampling) in enumerate(zip(prompt_ids, params, strict=True))
         ]
         merged = merge_streams(streams)
@@ -91,18 +105,27 @@ class CompletionsServing(OpenAIServing):
                 prefix = echo_texts[prompt_index] if echo_texts else ""
                 logprobs = None
                 if request.logprobs is not None and choice.logprobs is not None:
-                    logprobs = self.completion_logprobs(choice.token_ids, choice.logprobs, request.logprobs,
-                                                        len(prefix))
-                choices.append(CompletionChoice(
-                    index=prompt_index * request.n + choice.index,
-                    text=prefix + choice.text,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                ))
+                    logprobs = self.completion_logprobs(
+                        choice.token_ids, choice.logprobs, request.logprobs, len(prefix)
+                    )
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * request.n + choice.index,
+                        text=prefix + choice.text,
+                        logprobs=logprobs,
+                        finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason,
+                    )
+                )
         usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, request.n)
-        response = CompletionResponse(id=request_id, created=created, model=model,
-                                      system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage)
+        response = CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices,
+            usage=usage,
+        )
         return json_response(response)
 
     def _echo_texts(self, prompts: list[Any], prompt_ids: list[list[int]]) -> list[str]:
@@ -121,15 +144,27 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts
 class _CompletionChunks:
     """Chunks of a streamed completion; plain text deltas go through a per-choice byte template."""
 
-    def __init__(self, serving: CompletionsServing, request_id: str, created: int, model: str,
-                 request: CompletionRequest, echo_texts: list[str] | None, include_usage: bool) -> None:
+    def __init__(
+        self,
+        serving: CompletionsServing,
+        request_id: str,
+        created: int,
+        model: str,
+        request: CompletionRequest,
+        echo_texts: list[str] | None,
+        include_usage: bool,
+    ) -> None:
         self._serving = serving
-        self._header = dict(id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT)
+        self._header = dict(
+            id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT
+        )
         self._n = request.n
         self._num_choices = request.n * (len(echo_texts) if echo_texts else len(request.prompts))
         self._logprobs = request.logprobs
         self._echo_texts = echo_texts
-        self._text_offsets = [len(echo_texts[i // request.n]) if echo_texts else 0 for i in range(self._num_choices)]
+        self._text_offsets = [
+            len(echo_texts[i // request.n]) if echo_texts else 0 for i in range(self._num_choices)
+        ]
         self.include_usage = include_usage
         self._templates: dict[int, TextChunkTemplate] = {}
 
@@ -142,9 +177,14 @@ class _CompletionChunks:
     def preamble(self) -> list[bytes]:
         if not self._echo_texts:
             return []
-        return [self._event(self._chunk(CompletionChoice(index=index, text=self._echo_texts[index // self._n],
-                                                         finish_reason=None)))
-                for index in range(self._num_choices)]
+        return [
+            self._event(
+                self._chunk(
+                    CompletionChoice(index=index, text=self._echo_texts[index // self._n], finish_reason=None)
+                )
+            )
+            for index in range(self._num_choices)
+        ]
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._logprobs is None:
@@ -152,8 +192,11 @@ class _CompletionChunks:
                 return None
             template = self._templates.get(index)
             if template is None:
-                template = self._templates[index] = TextChunkTemplate(self._event(self._chunk(
-                    CompletionChoice(index=index, text=TEXT_MARKER, finish_reason=None))))
+                template = self._templates[index] = TextChunkTemplate(
+                    self._event(
+                        self._chunk(CompletionChoice(index=index, text=TEXT_MARKER, finish_reason=None))
+                    )
+                )
             return template.render(choice.text)
         if not choice.token_ids:
             return None
@@ -165,12 +208,18 @@ class _CompletionChunks:
     def _choice(self, index: int, choice: CompletionOutput, finish_reason: str | None) -> CompletionChoice:
         logprobs = None
         if self._logprobs is not None and choice.logprobs is not None:
-            logprobs = self._serving.completion_logprobs(choice.token_ids, choice.logprobs, self._logprobs,
-                                                         self._text_offsets[index])
+            logprobs = self._serving.completion_logprobs(
+                choice.token_ids, choice.logprobs, self._logprobs, self._text_offsets[index]
+            )
             if logprobs.tokens:
                 self._text_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        return CompletionChoice(index=index, text=choice.text, logprobs=logprobs, finish_reason=finish_reason,
-                                stop_reason=choice.stop_reason if finish_reason else None)
+        return CompletionChoice(
+            index=index,
+            text=choice.text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason if finish_reason else None,
+        )
 
     def usage(self, usage: Usage) -> bytes:
         return self._event(CompletionChunk(**self._header, choices=[], usage=usage))

@@ -40,4 +40,3 @@ class TextChunkTemplate:
 
     def render(self, text: str) -> bytes:
         return self._head + orjson.dumps(text) + self._tail
-

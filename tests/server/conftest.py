@@ -34,9 +34,25 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "ember.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-                   "--num-threads", "1", "--served-model-name", MODEL_NAME, "--port", str(self.port),
-                   "--kv-cache-memory", "0.05", *extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "ember.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--served-model-name",
+            MODEL_NAME,
+            "--port",
+            str(self.port),
+            "--kv-cache-memory",
+            "0.05",
+            *extra_args,
+        ]
         self._log = open(log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -117,7 +133,9 @@ def long_context_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPa
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The shared server: API key required, 64 KiB body limit."""
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    process = ServerProcess(tiny_model_dir, log_path, "--api-key", API_KEY, "--max-request-body-bytes", "65536")
+    process = ServerProcess(
+        tiny_model_dir, log_path, "--api-key", API_KEY, "--max-request-body-bytes", "65536"
+    )
     yield process
     process.stop()
 
@@ -140,6 +158,8 @@ def auth() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def launch_server(tmp_path_factory: pytest.TempPathFactory):
     """Start another `ember serve` (model dir, extra flags); the caller stops it."""
+
     def launch(model_dir: Path, *extra_args: str) -> ServerProcess:
         return ServerProcess(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *extra_args)
+
     return launch

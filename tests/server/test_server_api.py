@@ -25,8 +25,9 @@ def tokenize(server, auth, **body) -> list[int]:
 
 
 def test_completion_non_streamed_usage_matches_tokens(server, auth, client):
-    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert result.object == "text_completion"
     assert result.id.startswith("cmpl-")
     assert result.model == MODEL_NAME
@@ -42,7 +43,9 @@ def test_completion_non_streamed_usage_matches_tokens(server, auth, client):
 
 
 def test_streamed_completion_equals_non_streamed_for_greedy(client):
-    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     text_chunks = [chunk for chunk in chunks if chunk.choices]
@@ -56,9 +59,17 @@ def test_streamed_completion_equals_non_streamed_for_greedy(client):
 
 
 def test_one_sse_event_per_generated_token(server, auth):
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=60) as response:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
@@ -69,8 +80,9 @@ def test_one_sse_event_per_generated_token(server, auth):
 
 
 def test_chat_non_streamed_and_streamed_agree(server, auth, client):
-    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = client.chat.completions.create(**kwargs)
     assert full.object == "chat.completion"
     assert full.id.startswith("chatcmpl-")
@@ -81,7 +93,9 @@ def test_chat_non_streamed_and_streamed_agree(server, auth, client):
     assert full.usage.prompt_tokens == len(prompt_ids)
     assert full.usage.completion_tokens == 20
 
-    stream = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    stream = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     content = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert content == message.content
@@ -92,25 +106,44 @@ def test_chat_non_streamed_and_streamed_agree(server, auth, client):
 
 
 def test_n_three_choices(client):
-    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(choice.index for choice in result.choices) == [0, 1, 2]
     assert result.usage.completion_tokens == 24
     assert len({choice.text for choice in result.choices}) > 1  # seeded siblings draw differently
 
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, n=3, seed=3,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=6, n=3, seed=3, extra_body={"ignore_eos": True}
+    )
     assert sorted(choice.index for choice in chat.choices) == [0, 1, 2]
     assert chat.usage.completion_tokens == 18
 
-    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=3, seed=7,
-                                              stream=True, extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=5,
+            n=3,
+            seed=7,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     finished = sorted(chunk.choices[0].index for chunk in streamed if chunk.choices[0].finish_reason)
     assert finished == [0, 1, 2]
 
 
 def test_stop_string_ends_the_text(client):
-    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = client.completions.create(**kwargs).choices[0].text
     words = text.split()
     assert len(words) >= 4, text
@@ -130,14 +163,22 @@ def test_stop_string_ends_the_text(client):
 
 
 def test_completion_logprobs(client):
-    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     choice = result.choices[0]
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert "".join(logprobs.tokens) == choice.text
     assert logprobs.text_offset[0] == 0
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
         assert logprob <= 0
         assert len(top) == 3  # greedy: the sampled token is the top-1, so it is among the 3
         assert top[token] == pytest.approx(logprob)
@@ -145,8 +186,15 @@ def test_completion_logprobs(client):
 
 
 def test_chat_logprobs_streamed_and_not(client):
-    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kwargs)
     content = full.choices[0].logprobs.content
     assert len(content) == 5
@@ -155,8 +203,12 @@ def test_chat_logprobs_streamed_and_not(client):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.bytes == list(entry.token.encode())
-    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
-                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(stream=True, **kwargs)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [entry.token for entry in streamed] == [entry.token for entry in content]
 
 
@@ -165,8 +217,9 @@ def test_batch_and_token_id_prompts(server, auth, client):
     by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    batch = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello"], max_tokens=5, temperature=0,
-                                      n=2)
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=[PROMPT, "Hello"], max_tokens=5, temperature=0, n=2
+    )
     assert sorted(choice.index for choice in batch.choices) == [0, 1, 2, 3]
     assert [c.text for c in batch.choices if c.index < 2] == [by_text.choices[0].text] * 2
     hello_len = len(tokenize(server, auth, prompt="Hello"))
@@ -175,10 +228,13 @@ def test_batch_and_token_id_prompts(server, auth, client):
 
 def test_echo_prepends_the_prompt(client):
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
-    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == PROMPT + plain.choices[0].text
 
 
@@ -187,7 +243,9 @@ def test_models_tokenize_detokenize_version_health(server, auth, client):
     assert [model.id for model in models.data] == [MODEL_NAME]
     assert models.data[0].model_extra["max_model_len"] == 1024
     tokens = tokenize(server, auth, prompt=PROMPT)
-    response = httpx.post(f"{server.url}/detokenize", json={"model": MODEL_NAME, "tokens": tokens}, headers=auth)
+    response = httpx.post(
+        f"{server.url}/detokenize", json={"model": MODEL_NAME, "tokens": tokens}, headers=auth
+    )
     assert response.status_code == 200
     assert response.json() == {"prompt": PROMPT}
     assert httpx.get(f"{server.url}/version").json()["version"]
@@ -197,7 +255,9 @@ def test_models_tokenize_detokenize_version_health(server, auth, client):
 
 def test_access_log_has_one_line_per_request(server, auth):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={**auth, "X-Request-Id": "trace-42"})
+    response = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={**auth, "X-Request-Id": "trace-42"}
+    )
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "trace-42"
     completion_id = response.json()["id"]
@@ -208,5 +268,11 @@ def test_access_log_has_one_line_per_request(server, auth):
     lines = [line for line in server.log().splitlines() if completion_id in line]
     assert len(lines) == 1
     line = lines[0]
-    for field in ('"request_id":"trace-42"', '"status":200', '"completion_tokens":3', '"ttft_s":', '"total_s":'):
+    for field in (
+        '"request_id":"trace-42"',
+        '"status":200',
+        '"completion_tokens":3',
+        '"ttft_s":',
+        '"total_s":',
+    ):
         assert field in line, line

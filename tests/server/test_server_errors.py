@@ -11,7 +11,9 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
 
 
-def assert_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+def assert_error(
+    response: httpx.Response, status: int, code: str | None = None, param: str | None = None
+) -> dict:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
@@ -30,57 +32,74 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
 @pytest.fixture(scope="module")
 def post(server, auth):
     def post(path: str, **kwargs) -> httpx.Response:
-        return httpx.post(f"{server.url}{path}", headers={**auth, **kwargs.pop("headers", {})}, timeout=30,
-                          **kwargs)
+        return httpx.post(
+            f"{server.url}{path}", headers={**auth, **kwargs.pop("headers", {})}, timeout=30, **kwargs
+        )
+
     return post
 
 
 def test_bad_json_is_400(post):
-    error = assert_error(post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
-                              headers={"content-type": "application/json"}), 400, code="invalid_json")
+    error = assert_error(
+        post(
+            "/v1/chat/completions",
+            content=b'{"model": "tiny", "messages": [',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+        code="invalid_json",
+    )
     assert "JSON" in error["message"]
-    assert_error(post("/v1/completions", content=b"not json", headers={"content-type": "application/json"}), 400)
+    assert_error(
+        post("/v1/completions", content=b"not json", headers={"content-type": "application/json"}), 400
+    )
     assert_error(post("/v1/completions", content=b"", headers={"content-type": "application/json"}), 400)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "messages": "hello"}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {**COMPLETION, "prompt": {"text": "x"}}, "prompt"),
-    ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
-    ("/v1/completions", [1, 2, 3], None),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "messages": "hello"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "prompt": {"text": "x"}}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
+        ("/v1/completions", [1, 2, 3], None),
+    ],
+)
 def test_wrong_types_are_400(post, path, body, param):
     # vLLM answers 400 (not FastAPI's 422) for a body that does not validate.
     assert_error(post(path, json=body), 400, param=param)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
-    ("/v1/completions", {**COMPLETION, "temperature": 1e9}, "temperature"),
-    ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
-    ("/v1/completions", {**COMPLETION, "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {**COMPLETION, "n": 0}, "n"),
-    ("/v1/completions", {**COMPLETION, "n": 100000}, "n"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 1000}, "logprobs"),
-    ("/v1/completions", {**COMPLETION, "presence_penalty": 5}, "presence_penalty"),
-    ("/v1/completions", {**COMPLETION, "min_p": -1}, "min_p"),
-    ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
-    ("/v1/completions", {**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ("/v1/completions", {**COMPLETION, "prompt": []}, None),
-    ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**9]}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "best_of": 3}, None),
-    ("/v1/completions", {**COMPLETION, "stop": [""]}, "stop"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, None),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "temperature": 1e9}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "n": 0}, "n"),
+        ("/v1/completions", {**COMPLETION, "n": 100000}, "n"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 1000}, "logprobs"),
+        ("/v1/completions", {**COMPLETION, "presence_penalty": 5}, "presence_penalty"),
+        ("/v1/completions", {**COMPLETION, "min_p": -1}, "min_p"),
+        ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
+        ("/v1/completions", {**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": []}, None),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**9]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "best_of": 3}, None),
+        ("/v1/completions", {**COMPLETION, "stop": [""]}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, None),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+    ],
+)
 def test_negative_or_absurd_parameters_are_400(post, path, body, param):
     assert_error(post(path, json=body), 400, param=param)
 
@@ -92,20 +111,26 @@ def test_empty_messages_is_400(post):
 
 def test_unknown_model_is_404(post):
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
-        error = assert_error(post(path, json={**body, "model": "gpt-17"}), 404, code="model_not_found",
-                             param="model")
+        error = assert_error(
+            post(path, json={**body, "model": "gpt-17"}), 404, code="model_not_found", param="model"
+        )
         assert "gpt-17" in error["message"]
 
 
 def test_prompt_plus_max_tokens_over_context_is_400(post):
-    error = assert_error(post("/v1/completions", json={**COMPLETION, "max_tokens": 1024}), 400,
-                         code="context_length_exceeded")
+    error = assert_error(
+        post("/v1/completions", json={**COMPLETION, "max_tokens": 1024}), 400, code="context_length_exceeded"
+    )
     assert "1024" in error["message"]
     long_prompt = list(range(5, 5 + 1100))
-    assert_error(post("/v1/completions", json={**COMPLETION, "prompt": long_prompt}), 400,
-                 code="context_length_exceeded")
-    assert_error(post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000}), 400,
-                 code="context_length_exceeded")
+    assert_error(
+        post("/v1/completions", json={**COMPLETION, "prompt": long_prompt}),
+        400,
+        code="context_length_exceeded",
+    )
+    assert_error(
+        post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000}), 400, code="context_length_exceeded"
+    )
 
 
 def test_oversize_body_is_413(post):
@@ -117,6 +142,7 @@ def test_oversize_body_is_413(post):
         for _ in range(80):
             yield b"y" * 1000
         yield b'"}'
+
     # No Content-Length: the limit is enforced while the body streams in.
     assert_error(post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
 

@@ -16,22 +16,29 @@ PROMPT = "Tell me a very long story about a lighthouse keeper and the sea."
 
 
 def completion(max_tokens: int, stream: bool) -> dict:
-    return {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    return {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def data_events(response: httpx.Response):
     for line in response.iter_lines():
         if line.startswith("data: "):
-            yield line[len("data: "):]
+            yield line[len("data: ") :]
 
 
 def test_cancel_mid_stream_frees_blocks(server, auth):
     idle = server.metrics()
     idle_kv = server.metric(idle, "vllm:kv_cache_usage_perc")
     generated_before = server.metric(idle, "vllm:generation_tokens_total")
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=completion(900, True), headers=auth,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=completion(900, True), headers=auth, timeout=60
+    ) as response:
         assert response.status_code == 200
         events = data_events(response)
         for _ in range(3):
@@ -50,6 +57,7 @@ def test_cancel_mid_stream_frees_blocks(server, auth):
 def test_health_answers_while_many_streams_run(server, auth):
     async def run() -> tuple[list[int], list[int], bool]:
         async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as client:
+
             async def one_stream() -> int:
                 tokens = 0
                 async with client.stream("POST", "/v1/completions", json=completion(64, True)) as response:
@@ -79,15 +87,27 @@ async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = (await client.get("/metrics")).text
-    return {f"{s.name}{{{','.join(f'{k}={json.dumps(v)}' for k, v in sorted(s.labels.items()))}}}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        f"{s.name}{{{','.join(f'{k}={json.dumps(v)}' for k, v in sorted(s.labels.items()))}}}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @pytest.fixture(scope="module")
 def limited_server(launch_server, long_context_model_dir):
     """One sequence at a time, one queued request, 15 s queue timeout; the drain test ends it."""
-    process = launch_server(long_context_model_dir, "--max-num-seqs", "1", "--max-queued-requests", "1",
-                            "--queue-timeout", "15", "--drain-timeout", "120")
+    process = launch_server(
+        long_context_model_dir,
+        "--max-num-seqs",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--queue-timeout",
+        "15",
+        "--drain-timeout",
+        "120",
+    )
     yield process
     process.stop()
 
@@ -126,8 +146,9 @@ def test_full_queue_gets_429_and_queue_timeout_408(limited_server):
 def test_sigterm_drains_the_in_flight_stream_then_exits_0(limited_server):
     server = limited_server
     max_tokens = 1000
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=completion(max_tokens, True),
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=completion(max_tokens, True), timeout=120
+    ) as response:
         events = data_events(response)
         chunks = [json.loads(next(events))]
         server.signal(signal.SIGTERM)

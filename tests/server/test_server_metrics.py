@@ -7,16 +7,28 @@ import openai
 import pytest
 
 MODEL_NAME = "tiny"
-PROMPT = "In the beginning the universe was created. This has made a lot of people very angry and been " \
-         "widely regarded as a bad move."
+PROMPT = (
+    "In the beginning the universe was created. This has made a lot of people very angry and been "
+    "widely regarded as a bad move."
+)
 
 # What llm-d's router / the Gateway API inference extension and vLLM dashboards read.
 REQUIRED = [
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
-    "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-    "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
-    "request_queue_time_seconds_count", "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_to_first_token_seconds_count",
+    "inter_token_latency_seconds_count",
+    "request_time_per_output_token_seconds_count",
+    "e2e_request_latency_seconds_count",
+    "request_queue_time_seconds_count",
+    "request_prefill_time_seconds_count",
+    "request_decode_time_seconds_count",
 ]
 
 
@@ -39,10 +51,13 @@ def test_metrics_parse_and_carry_both_prefixes(server):
 
 def test_counters_and_histograms_move_with_traffic(server, auth, client):
     metric = server.metric
-    prompt_len = len(httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=auth).json()["tokens"])
+    prompt_len = len(
+        httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=auth).json()["tokens"]
+    )
     before = server.metrics()
-    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = server.metrics()
 
     def delta(name: str, **labels: str) -> float:
@@ -63,8 +78,15 @@ def test_counters_and_histograms_move_with_traffic(server, auth, client):
 
     # A streamed request observes the interval between consecutive tokens: 7 tokens, 6 intervals.
     before = server.metrics()
-    list(client.completions.create(model=MODEL_NAME, prompt=PROMPT + " Again.", max_tokens=7, stream=True,
-                                   extra_body={"ignore_eos": True}))
+    list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT + " Again.",
+            max_tokens=7,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     after = server.metrics()
     assert delta("vllm:inter_token_latency_seconds_count") == 6
     assert delta("vllm:time_per_output_token_seconds_count") == 6
@@ -80,5 +102,7 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0
     assert cached >= first.usage.prompt_tokens_details.cached_tokens
-    hits = server.metric(after, "vllm:prefix_cache_hits_total") - server.metric(before, "vllm:prefix_cache_hits_total")
+    hits = server.metric(after, "vllm:prefix_cache_hits_total") - server.metric(
+        before, "vllm:prefix_cache_hits_total"
+    )
     assert hits == cached
