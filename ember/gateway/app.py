@@ -31,6 +31,7 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 DONE_FRAME = b"data: [DONE]\n\n"
+WATCH_AFTER_S = 0.02
 
 
 class ClientDisconnected(Exception):
@@ -117,13 +118,14 @@ class GatewayApp:
                     region = value.decode("latin-1")
                 elif name == b"x-ember-session-id":
                     session = value.decode("latin-1")
-        watcher: asyncio.Task | None = None
+        watcher: DisconnectWatcher | None = None
         try:
             principal = self.dispatcher.authenticate(authorization)
             raw_body = await self._read_body(receive)
             body = parse_json_object(raw_body)
-            task = asyncio.current_task()
-            watcher = asyncio.create_task(watch_disconnect(receive, task))
+            watcher = DisconnectWatcher(receive, asyncio.current_task())
+            if body.get("stream") is True:
+                watcher.start()
             result = await self.dispatcher.dispatch(
                 principal,
                 endpoint,
@@ -136,13 +138,13 @@ class GatewayApp:
             )
         except GatewayError as exc:
             if watcher is not None:
-                watcher.cancel()
+                watcher.stop()
             await send_error(send, exc)
             return
         except ClientDisconnected:
             return
         except asyncio.CancelledError:
-            if watcher is not None and watcher.done() and not watcher.cancelled():
+            if watcher is not None and watcher.fired:
                 asyncio.current_task().uncancel()  # the client left; nothing to answer
                 return
             raise
@@ -150,24 +152,25 @@ class GatewayApp:
         headers.append((b"x-ember-replica", result.replica.id.encode()))
         try:
             if not result.stream:
-                watcher.cancel()
+                watcher.stop()
                 headers.append((b"content-length", str(len(result.body)).encode()))
                 await send({"type": "http.response.start", "status": result.status, "headers": headers})
                 await send({"type": "http.response.body", "body": result.body})
                 return
+            watcher.start()
             headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
                 await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
-            watcher.cancel()
+            watcher.stop()
             await send({"type": "http.response.body", "body": DONE_FRAME})
         except asyncio.CancelledError:
-            if watcher.done() and not watcher.cancelled():
+            if watcher.fired:
                 asyncio.current_task().uncancel()
                 return
             raise
         finally:
-            watcher.cancel()
+            watcher.stop()
             await result.aclose()
 
     async def _read_body(self, receive: Callable) -> bytes:
@@ -190,13 +193,40 @@ class GatewayApp:
         return b"".join(chunks)
 
 
-async def watch_disconnect(receive: Callable, task: asyncio.Task) -> None:
-    """Cancel `task` when the client disconnects (uvicorn answers receive() with http.disconnect)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return
+class DisconnectWatcher:
+    """Cancels the request's task when its client disconnects (uvicorn answers receive() with
+    http.disconnect), so a waiter leaves the queue and the replica's request is aborted.
+
+    Streams are watched from the start. A non-streamed request is watched only once it has been in
+    flight for WATCH_AFTER_S: most finish sooner, and a task per request costs throughput on the
+    proxy path; a client that leaves earlier is noticed at most WATCH_AFTER_S late."""
+
+    __slots__ = ("receive", "task", "fired", "_watch_task", "_timer")
+
+    def __init__(self, receive: Callable, task: asyncio.Task):
+        self.receive = receive
+        self.task = task
+        self.fired = False
+        self._watch_task: asyncio.Task | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self.start)
+
+    def start(self) -> None:
+        if self._watch_task is None:
+            self._timer.cancel()
+            self._watch_task = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.fired = True
+                self.task.cancel()
+                return
 
 
 async def send_error(send: Callable, exc: GatewayError) -> None:
