@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ember import SamplingParams
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 14
+NUM_BLOCKS = 10
 PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 99, 98, 97, 96, 95]]
 
 add_op = st.tuples(
