@@ -54,6 +54,15 @@ def test_cancel_mid_stream_frees_blocks(server, auth):
     assert server.metric(after, "vllm:generation_tokens_total") - generated_before < 900
 
 
+def test_client_giving_up_on_a_non_streamed_request_aborts_it(server, auth):
+    generated_before = server.metric(server.metrics(), "vllm:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=completion(1000, False), headers=auth, timeout=1.0)
+    after = server.wait_for_metric("ember:num_requests_running", 0)
+    assert server.metric(after, "ember:num_requests_running") == 0
+    assert server.metric(after, "vllm:generation_tokens_total") - generated_before < 1000
+
+
 def test_health_answers_while_many_streams_run(server, auth):
     async def run() -> tuple[list[int], list[int], bool]:
         async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as client:
