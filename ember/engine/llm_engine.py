@@ -18,6 +18,7 @@ from ember.engine.block_manager import BlockManager
 from ember.engine.detokenizer import IncrementalDetokenizer, decode_token
 from ember.engine.model_runner import ModelRunner
 from ember.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from ember.engine.sampler import SampledToken
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -262,7 +263,7 @@ class LLMEngine:
             children.append(child)
         self.scheduler.add_forked(parent, children)
 
-    def _append_token(self, request: _Request, seq: Sequence, token, now: float) -> None:
+    def _append_token(self, request: _Request, seq: Sequence, token: SampledToken, now: float) -> None:
         token_id = token.token_id
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += token.logprob
@@ -295,7 +296,7 @@ class LLMEngine:
         if status is not None:
             self._finish(request, seq, status)
 
-    def _logprob_entry(self, token) -> dict[int, Logprob]:
+    def _logprob_entry(self, token: SampledToken) -> dict[int, Logprob]:
         cache = self._token_text_cache
         tokenizer = self.tokenizer
         entry = {token.token_id: Logprob(token.logprob, token.rank, decode_token(tokenizer, token.token_id, cache))}
