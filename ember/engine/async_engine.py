@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ember.engine.args import EngineArgs
 from ember.engine.llm_engine import LLMEngine, PreparedRequest
@@ -152,14 +153,22 @@ class AsyncEngine:
                         outputs.extend((request_id, error) for request_id in list(engine.requests))
                         engine.abort_request(list(engine.requests))
                 self._stats = engine.stats()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                if outputs and not self._deliver(self._dispatch, outputs):
+                    return
         except BaseException as exc:
             logger.exception("the engine thread died")
             self._dead_error = exc
-            self._loop.call_soon_threadsafe(self._fail_all_streams,
-                                            EngineDeadError(f"the engine thread died: {exc!r}"))
+            self._deliver(self._fail_all_streams, EngineDeadError(f"the engine thread died: {exc!r}"))
             raise
+
+    def _deliver(self, callback: Callable[[Any], None], argument: Any) -> bool:
+        """Hand `argument` to `callback` on the event loop; False when the loop is gone (nobody to serve)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, argument)
+        except RuntimeError:  # the event loop was closed without shutdown()
+            logger.warning("event loop closed under a running engine; stopping the engine thread")
+            return False
+        return True
 
     def _dispatch(self, outputs: list[RequestOutput | tuple[str, BaseException]]) -> None:
         streams = self._streams
