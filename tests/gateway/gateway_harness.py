@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import orjson
 import uvicorn
 from starlette.applications import Starlette
@@ -26,6 +27,9 @@ from starlette.routing import Route
 
 from ember.gateway.app import GatewayApp, create_app
 from ember.gateway.config import parse_config
+
+# One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip.
+http = httpx.Client(timeout=60)
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from gateway_harness import gateway_config, model_config, sha256
+from gateway_harness import gateway_config, http, model_config, sha256
 
 from ember.cli import main as ember_main
 
@@ -12,7 +12,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 def post(gateway, authorization: str | None, body: dict = CHAT) -> httpx.Response:
     headers = {"authorization": authorization} if authorization is not None else {}
-    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    return http.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
 def test_missing_unknown_and_forbidden_keys(replicas, start_gateway):
@@ -77,30 +77,30 @@ def test_admin_api_manages_keys(replicas, start_gateway):
     config["keys"]["store"] = "keys.db"
     gateway = start_gateway(config)
     admin = {"authorization": "Bearer sk-admin"}
-    assert httpx.get(gateway.url + "/admin/keys").status_code == 401
-    assert httpx.get(gateway.url + "/admin/keys", headers={"authorization": "Bearer sk-x"}).status_code == 401
-    bad = httpx.post(gateway.url + "/admin/keys", json={"name": "bob", "rpm": -1}, headers=admin)
+    assert http.get(gateway.url + "/admin/keys").status_code == 401
+    assert http.get(gateway.url + "/admin/keys", headers={"authorization": "Bearer sk-x"}).status_code == 401
+    bad = http.post(gateway.url + "/admin/keys", json={"name": "bob", "rpm": -1}, headers=admin)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rpm"
-    created = httpx.post(
+    created = http.post(
         gateway.url + "/admin/keys", json={"name": "bob", "models": ["tiny"], "priority": 2}, headers=admin
     )
     assert created.status_code == 201
     record = created.json()
     assert record["name"] == "bob" and record["priority"] == 2 and record["key"].startswith("sk-ember-")
-    duplicate = httpx.post(gateway.url + "/admin/keys", json={"name": "bob"}, headers=admin)
+    duplicate = http.post(gateway.url + "/admin/keys", json={"name": "bob"}, headers=admin)
     assert duplicate.status_code == 409
     assert post(gateway, f"Bearer {record['key']}").status_code == 200
-    listed = httpx.get(gateway.url + "/admin/keys", headers=admin).json()["data"]
+    listed = http.get(gateway.url + "/admin/keys", headers=admin).json()["data"]
     assert [entry["name"] for entry in listed] == ["bob"] and "key" not in listed[0]
-    assert httpx.delete(gateway.url + f"/admin/keys/{record['id']}", headers=admin).status_code == 200
+    assert http.delete(gateway.url + f"/admin/keys/{record['id']}", headers=admin).status_code == 200
     assert post(gateway, f"Bearer {record['key']}").status_code == 401
-    assert httpx.delete(gateway.url + "/admin/keys/nobody", headers=admin).status_code == 404
-    replicas_view = httpx.get(gateway.url + "/admin/replicas", headers=admin).json()["data"]
+    assert http.delete(gateway.url + "/admin/keys/nobody", headers=admin).status_code == 404
+    replicas_view = http.get(gateway.url + "/admin/replicas", headers=admin).json()["data"]
     assert [(entry["id"], entry["healthy"]) for entry in replicas_view] == [("a", True)]
 
 
 def test_admin_api_is_disabled_without_an_admin_key(replicas, start_gateway):
     a, _ = replicas
     gateway = start_gateway(gateway_config({"tiny": model_config(a)}, []))
-    response = httpx.get(gateway.url + "/admin/keys", headers={"authorization": "Bearer anything"})
+    response = http.get(gateway.url + "/admin/keys", headers={"authorization": "Bearer anything"})
     assert response.status_code == 403 and response.json()["error"]["code"] == "admin_disabled"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import orjson
-from gateway_harness import FakeReplica, free_port, gateway_config, wait_until
+from gateway_harness import FakeReplica, free_port, gateway_config, http, wait_until
 
 KEY = {"name": "ci", "secret": "sk-ci"}
 AUTH = {"authorization": "Bearer sk-ci"}
@@ -18,7 +18,7 @@ def two_replica_model(first_url: str, second_url: str, policy: str = "round-robi
 
 def chat(gateway, stream: bool = False) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    return http.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
 
 
 def test_connection_refused_is_retried_and_the_replica_ejected(start_gateway):
@@ -104,7 +104,7 @@ def test_health_probes_eject_and_readmit(start_gateway):
         flaky.health_status = 503
         wait_until(lambda: not replica.healthy, what="ejection")
         assert {chat(gateway).headers["x-ember-replica"] for _ in range(4)} == {"second"}
-        ready = httpx.get(gateway.url + "/ready").json()
+        ready = http.get(gateway.url + "/ready").json()
         assert ready["healthy_replicas"] == {"tiny": 1}
         flaky.health_status = 200
         wait_until(lambda: replica.healthy, what="re-admission")

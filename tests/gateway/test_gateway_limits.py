@@ -5,12 +5,12 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
-from gateway_harness import gateway_config, model_config, wait_until
+from gateway_harness import gateway_config, http, model_config, wait_until
 
 
 def chat(gateway, key: str, max_tokens: int = 16, content: str = "hi") -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
-    return httpx.post(
+    return http.post(
         gateway.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30
     )
 
@@ -82,7 +82,7 @@ def test_token_budget_and_usage_endpoint(replicas, start_gateway):
     spent = chat(gateway, "sk-k")
     assert spent.status_code == 429
     assert spent.json()["error"]["code"] == "insufficient_quota"
-    usage = httpx.get(gateway.url + "/v1/usage", headers={"authorization": "Bearer sk-k"}).json()
+    usage = http.get(gateway.url + "/v1/usage", headers={"authorization": "Bearer sk-k"}).json()
     assert usage["key"] == "k"
     assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
         2, 14, 6, 20,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import orjson
-from gateway_harness import FakeReplica, gateway_config, model_config, wait_until
+from gateway_harness import FakeReplica, gateway_config, http, model_config, wait_until
 
 KEY = {"name": "ci", "secret": "sk-test-ci"}
 AUTH = {"authorization": "Bearer sk-test-ci"}
@@ -25,7 +25,7 @@ def test_non_streamed_chat_is_passed_through_with_openai_sdk(replicas, start_gat
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
     ]
     assert gateway.metric("ember_gateway_requests_total", model="tiny", key="ci", replica="a", status="200") == 1
-    usage = httpx.get(gateway.url + "/v1/usage", headers=AUTH).json()
+    usage = http.get(gateway.url + "/v1/usage", headers=AUTH).json()
     assert usage["requests"] == 1 and usage["prompt_tokens"] == 7 and usage["completion_tokens"] == 3
 
 
@@ -71,7 +71,7 @@ def test_deployment_model_id_is_sent_upstream(start_gateway):
             "tiny": {"deployments": [{"name": "v2", "model": "tiny-v2", "replicas": [{"url": replica.url}]}]}
         }
         gateway = start_gateway(gateway_config(models, [dict(KEY)]))
-        response = httpx.post(
+        response = http.post(
             gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=AUTH, timeout=30
         )
         assert response.status_code == 200
@@ -92,13 +92,13 @@ def test_bad_requests_get_openai_errors(replicas, start_gateway):
         (orjson.dumps({"model": "nope", "messages": []}), 404, "model"),
     ]
     for content, status, param in cases:
-        response = httpx.post(url, content=content, headers=AUTH)
+        response = http.post(url, content=content, headers=AUTH)
         assert response.status_code == status, content
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
-    bad_header = httpx.post(url, json={"model": "tiny"}, headers={**AUTH, "x-ember-deadline-ms": "soon"})
+    bad_header = http.post(url, json={"model": "tiny"}, headers={**AUTH, "x-ember-deadline-ms": "soon"})
     assert bad_header.status_code == 400 and "x-ember-deadline-ms" in bad_header.json()["error"]["message"]
-    unknown = httpx.get(gateway.url + "/v1/nothing", headers=AUTH)
+    unknown = http.get(gateway.url + "/v1/nothing", headers=AUTH)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_url"
     assert a.requests == []
 
@@ -111,14 +111,14 @@ def test_models_health_ready_metrics(replicas, start_gateway):
             [dict(KEY), {"name": "narrow", "secret": "sk-narrow", "models": ["other"]}],
         )
     )
-    all_models = httpx.get(gateway.url + "/v1/models", headers=AUTH).json()
+    all_models = http.get(gateway.url + "/v1/models", headers=AUTH).json()
     assert [model["id"] for model in all_models["data"]] == ["tiny", "other"]
-    narrow = httpx.get(gateway.url + "/v1/models", headers={"authorization": "Bearer sk-narrow"}).json()
+    narrow = http.get(gateway.url + "/v1/models", headers={"authorization": "Bearer sk-narrow"}).json()
     assert [model["id"] for model in narrow["data"]] == ["other"]
-    assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}
-    ready = httpx.get(gateway.url + "/ready")
+    assert http.get(gateway.url + "/health").json() == {"status": "ok"}
+    ready = http.get(gateway.url + "/ready")
     assert ready.status_code == 200 and ready.json()["healthy_replicas"] == {"tiny": 1, "other": 1}
-    text = httpx.get(gateway.url + "/metrics").text
+    text = http.get(gateway.url + "/metrics").text
     assert 'ember_gateway_replica_healthy{deployment="main",model="tiny",region="",replica="a"} 1.0' in text
 
 
