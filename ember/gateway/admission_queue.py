@@ -3,8 +3,9 @@
 Higher tiers go first, FCFS within a tier. A request that finds the queue non-empty queues behind
 it even if a slot is free at that instant, so late arrivals never overtake. Freed capacity (a
 request finishing, a replica re-admitted) wakes as many waiters, in order, as there are free slots.
-A waiter leaves at its deadline (408), when the queue is full on arrival (429), or at once when its
-task is cancelled (the client disconnected).
+A waiter the router cannot serve when woken (a failover retry that excludes the free replica)
+passes the slot on to the next in line. A waiter leaves at its deadline (408), when the queue is
+full on arrival (429), or at once when its task is cancelled (the client disconnected).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class _Waiter:
     sort_key: tuple[int, int]  # (-priority, arrival sequence)
     future: asyncio.Future = field(compare=False)
     woken: bool = False
+    # Woken, but the router found nothing for it (its failover excludes the free replicas, or its
+    # canary deployment is full): skipped by wake-ups until the pool changes again.
+    passed: bool = False
 
     def __lt__(self, other: _Waiter) -> bool:
         return self.sort_key < other.sort_key
@@ -66,6 +70,7 @@ class AdmissionQueue:
         bisect.insort(waiters, waiter)
         queued_at = time.monotonic()
         self.metrics.queue_depth.labels(model).set(len(waiters))
+        self._wake(model)  # a slot that waiters ahead passed on may suit this one
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -80,7 +85,9 @@ class AdmissionQueue:
                     self.pool.acquire(replica)
                     return replica
                 waiter.woken = False
+                waiter.passed = True
                 waiter.future = loop.create_future()
+                self._wake(model)  # hand the slot to the next in line
         finally:
             waiters.remove(waiter)
             self.metrics.queue_depth.labels(model).set(len(waiters))
@@ -100,7 +107,10 @@ class AdmissionQueue:
         )
 
     def _on_pool_event(self, event: PoolEvent, replica: Replica) -> None:
-        if event != "eject" and self._waiters.get(replica.model):
+        waiters = self._waiters.get(replica.model)
+        if event != "eject" and waiters:
+            for waiter in waiters:
+                waiter.passed = False
             self._wake(replica.model)
 
     def _wake(self, model: str) -> None:
@@ -112,7 +122,7 @@ class AdmissionQueue:
         for waiter in waiters:
             if free <= 0:
                 break
-            if not waiter.woken and not waiter.future.done():
+            if not waiter.woken and not waiter.passed and not waiter.future.done():
                 waiter.woken = True
                 waiter.future.set_result(None)
                 free -= 1

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import time
 
 import httpx
 from gateway_harness import gateway_config, model_config, wait_until
+
+from ember.gateway.admission_queue import AdmissionQueue
+from ember.gateway.metrics import GatewayMetrics
+from ember.gateway.replicas import Replica, ReplicaPool
 
 KEYS = [
     {"name": "low", "secret": "sk-low", "priority": 0},
@@ -109,3 +115,30 @@ def test_a_client_that_disconnects_leaves_the_queue_at_once(replicas, start_gate
     assert chat(gateway, "sk-low", "after").status_code == 200
     assert tags(a) == ["occupant", "after"]
     assert gateway.metric("ember_gateway_requests_total", model="tiny", key="high", replica="", status="cancelled") == 1
+
+
+async def test_a_slot_a_failover_waiter_cannot_use_goes_to_the_next_in_line():
+    """Replica a is free but the first waiter's failover excludes it; b is busy. A later request
+    must get a at once instead of waiting behind it for b."""
+    def replica(name: str) -> Replica:
+        return Replica(name, f"http://{name}", "tiny", "tiny", "main", None, 1.0, None, {}, capacity=1)
+
+    a, b = replica("a"), replica("b")
+    pool = ReplicaPool([a, b])
+    queue = AdmissionQueue(pool, max_size=8, metrics=GatewayMetrics())
+    deadline = time.monotonic() + 30
+
+    def free(exclude: set[str]):
+        return lambda: next((r for r in (a, b) if r.has_capacity and r.id not in exclude), None)
+
+    assert await queue.acquire("tiny", 0, deadline, free(set())) is a
+    assert await queue.acquire("tiny", 0, deadline, free(set())) is b
+    pool.release(a)  # a is free again, no one waits yet
+    retry = asyncio.create_task(queue.acquire("tiny", 5, deadline, free({"a"})))  # failover: not a
+    await asyncio.sleep(0)
+    assert queue.depth("tiny") == 1 and not retry.done()
+    newcomer = await asyncio.wait_for(queue.acquire("tiny", 0, deadline, free(set())), 10)
+    assert newcomer is a and not retry.done()
+    pool.release(b)
+    assert await asyncio.wait_for(retry, 10) is b
+    assert queue.depth("tiny") == 0
