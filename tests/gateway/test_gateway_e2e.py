@@ -89,6 +89,8 @@ def fleet(replicas: list[EmberServe], capacity: int, **extra) -> dict:
         ],
     }
     other = {"deployments": [{"replicas": [{"url": replicas[0].url, "id": "other-r1"}]}]}
+    # Real replicas on a loaded 2-core machine can take seconds to answer /health: lenient probes.
+    extra.setdefault("health", {"interval_s": 1, "timeout_s": 5, "unhealthy_threshold": 3, "healthy_threshold": 1})
     return gateway_config({"tiny": model, "other": other}, [dict(key) for key in KEYS], **extra)
 
 
@@ -141,14 +143,16 @@ def test_high_tier_finishes_first_under_saturation_and_deadlines(real_replicas, 
 
             # A long request occupies the replica's only slot; then lows queue before highs.
             occupant = asyncio.create_task(request("sk-low", "occupant", 100))
-            while gateway.dispatcher.pool.get("r1").outstanding < 1:
+            while gateway.dispatcher.pool.get("r1").outstanding < 1 and not occupant.done():
                 await asyncio.sleep(0.01)
+            assert not occupant.done(), occupant.exception()
             queued = []
             for index, (key, tag) in enumerate([("sk-low", "low-1"), ("sk-low", "low-2"),
                                                 ("sk-high", "high-1"), ("sk-high", "high-2")]):  # fmt: skip
                 queued.append(asyncio.create_task(request(key, tag, 16)))
-                while queue.depth("tiny") < index + 1:
+                while queue.depth("tiny") < index + 1 and not queued[-1].done():
                     await asyncio.sleep(0.005)
+                assert not queued[-1].done(), queued[-1].exception()
             late = await client.post(
                 gateway.url + "/v1/chat/completions",
                 json={"model": "tiny", "messages": [{"role": "user", "content": "late"}]},
@@ -203,7 +207,7 @@ def test_replica_killed_under_load_then_restarted_and_readmitted(real_replicas, 
     async def load() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(one(client, index)) for index in range(50)]
-            while len(outcomes) < 5:
+            while len(outcomes) < 5 and not all(task.done() for task in tasks):
                 await asyncio.sleep(0.01)
             victim.kill()
             await asyncio.gather(*tasks)
