@@ -10,9 +10,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.errors import EmberError
-from ember.loader import Tokenizer
+
+if TYPE_CHECKING:  # the loader imports torch; the CLI builds its parser from this module without it
+    from ember.loader import Tokenizer
 
 DATASET_NAMES = ("random", "shared-prefix", "sharegpt", "multi-turn")
 
