@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gateway_harness import FakeReplica, GatewayServer  # noqa: E402
+from protocols_support import ProtocolGateway, protocol_config  # noqa: E402
 
 
 @pytest.fixture
@@ -35,3 +36,16 @@ def start_gateway(tmp_path: Path):
     yield start
     for gateway in servers:
         gateway.server.stop()
+
+
+@pytest.fixture
+def held_gateway(tmp_path):
+    """A gateway whose only replica holds requests until released (async jobs and batches)."""
+    replica = FakeReplica("held").start()
+    config = protocol_config([replica.url])
+    config["async"]["jobs"] = {"concurrency": 1, "poll_interval_s": 0.05}
+    gateway = ProtocolGateway(config, tmp_path).start()
+    yield gateway, replica
+    replica.release()
+    gateway.stop()
+    replica.stop()

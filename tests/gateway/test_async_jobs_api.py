@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from gateway_harness import FakeReplica, wait_until
+from gateway_harness import wait_until
 from protocols_support import (
     OTHER_KEY,
     ProtocolGateway,
@@ -138,18 +138,6 @@ def test_jobs_are_private_to_their_key_and_inputs_are_validated(gateway):
             json={"model": "tiny", "prompt": "a", "webhook_url": "http://169.254.169.254/latest"},
         ).json()["error"]
         assert refused["code"] == "invalid_webhook_url" and "link-local" in refused["message"]
-
-
-@pytest.fixture
-def held_gateway(tmp_path):
-    replica = FakeReplica("held").start()
-    config = protocol_config([replica.url])
-    config["async"]["jobs"] = {"concurrency": 1, "poll_interval_s": 0.05}
-    gateway = ProtocolGateway(config, tmp_path).start()
-    yield gateway, replica
-    replica.release()
-    gateway.stop()
-    replica.stop()
 
 
 def test_cancel_running_and_queued_jobs_and_expiry(held_gateway):

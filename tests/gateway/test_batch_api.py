@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from gateway_harness import FakeReplica, wait_until
+from gateway_harness import wait_until
 from protocols_support import (
     KEY,
     OTHER_KEY,
@@ -172,18 +172,6 @@ def test_invalid_uploads_and_batches_are_refused_with_reasons(gateway):
     assert client.files.delete(uploaded.id).deleted is True
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
-
-
-@pytest.fixture
-def held_gateway(tmp_path):
-    replica = FakeReplica("held").start()
-    config = protocol_config([replica.url])
-    config["async"]["jobs"] = {"concurrency": 1, "poll_interval_s": 0.05}
-    gateway = ProtocolGateway(config, tmp_path).start()
-    yield gateway, replica
-    replica.release()
-    gateway.stop()
-    replica.stop()
 
 
 def test_cancel_batch_and_list_pagination(held_gateway):
