@@ -14,6 +14,7 @@ from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.errors import EmberError
 from ember.layers.attention import SequenceSpan, build_attention_metadata
+from ember.layers.linear import pack_linear_weights
 from ember.models import build_model
 from ember.models.config import ModelConfig
 
@@ -38,12 +39,13 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model = build_model(config, self.device)
         self.model.load_weights(state_dict)
+        pack_linear_weights(self.model)
 
         self.num_blocks = self._num_kv_blocks(args)
-        # One tensor for every layer's K and V: [layers, 2, kv_heads, blocks, block_size, head_dim]. Zeroed:
+        # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:
         # padding slots are read (and masked), and a masked key must still be finite for softmax @ V.
         self.kv_cache = torch.zeros(
-            config.num_hidden_layers, 2, config.num_key_value_heads, self.num_blocks, self.block_size,
+            config.num_hidden_layers, self.num_blocks, self.block_size, 2, config.num_key_value_heads,
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))

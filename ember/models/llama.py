@@ -6,12 +6,12 @@ through one forward over a flat [T] batch, attention reading K/V through the pag
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
+from ember.layers.linear import Linear
 from ember.layers.rmsnorm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.models.config import ModelConfig
@@ -26,10 +26,10 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qk_size = q_size + kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         # Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
@@ -52,8 +52,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Built eagerly on the real device even when the module skeleton is built on "meta".
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.torch_dtype, device)
@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (the matmul runs in the model dtype, as in
         Hugging Face, so greedy choices match it)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up; tie lm_head to the embedding if configured.
