@@ -266,8 +266,8 @@ class LLMEngine:
     def _append_token(self, request: _Request, seq: Sequence, token: SampledToken, now: float) -> None:
         token_id = token.token_id
         seq.token_ids.append(token_id)
-        seq.cumulative_logprob += token.logprob
         if seq.logprobs is not None:
+            seq.cumulative_logprob += token.logprob
             seq.logprobs.append(self._logprob_entry(token))
         metrics = request.metrics
         if metrics.first_token_time is None:

@@ -17,9 +17,10 @@ from ember.engine.sequence import Sequence
 @dataclass
 class SampledToken:
     token_id: int
-    logprob: float  # log_softmax of the raw model logits
-    rank: int | None  # 1 = the most likely token under the raw logits; None when logprobs were not asked
-    top_logprobs: list[tuple[int, float]] | None  # params.logprobs most likely (token, logprob); None if not asked
+    # The rest only when the request asked for logprobs (None otherwise):
+    logprob: float | None  # log_softmax of the raw model logits
+    rank: int | None  # 1 = the most likely token under the raw logits
+    top_logprobs: list[tuple[int, float]] | None  # params.logprobs most likely (token, logprob)
 
 
 class Sampler:
@@ -32,33 +33,37 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: float32 [N, V], row i belongs to seqs[i] (whose token_ids hold prompt + output so far)."""
         raw = logits
-        # One pass gives the raw argmax (the greedy choice when nothing edits the logits) and the row maximum
-        # that stabilizes the log-normalizer.
-        row_max, raw_argmax = raw.max(dim=-1)
         logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_penalties(logits, seqs)
-        token_ids = self._choose(logits, seqs, raw_argmax if logits is raw else logits.argmax(dim=-1))
+        token_ids = self._choose(logits, seqs, logits.argmax(dim=-1))
+        sampled = [SampledToken(token_id, None, None, None) for token_id in token_ids.tolist()]
+        # The log-normalizer over the whole vocabulary is the sampler's dearest step: only for rows that ask.
+        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if logprob_rows:
+            for row, token in zip(logprob_rows, self._logprobs(raw, token_ids, seqs, logprob_rows), strict=True):
+                sampled[row] = token
+        return sampled
 
-        log_norm = row_max + (raw - row_max[:, None]).exp_().sum(dim=-1).log_()
+    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
+                  rows: list[int]) -> list[SampledToken]:
+        """The chosen token's logprob and rank and the top logprobs, under the raw logits, for `rows`."""
+        if len(rows) < len(seqs):
+            raw, token_ids = raw[rows], token_ids[rows]
+        log_norm = torch.logsumexp(raw, dim=-1)
         chosen_raw = raw.gather(1, token_ids[:, None])
-        token_logprobs = (chosen_raw[:, 0] - log_norm).tolist()
-        ranks = self._ranks(raw, chosen_raw, seqs)
-        top = self._top_logprobs(raw, log_norm, seqs)
-        return [
-            SampledToken(token_id, logprob, ranks[i], top[i])
-            for i, (token_id, logprob) in enumerate(zip(token_ids.tolist(), token_logprobs, strict=True))
-        ]
-
-    def _ranks(self, raw: torch.Tensor, chosen_raw: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """1 + how many tokens the raw logits rank above the chosen one, for rows that asked for logprobs."""
-        ranks: list[int | None] = [None] * len(seqs)
-        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if rows:
-            if len(rows) < len(seqs):
-                raw, chosen_raw = raw[rows], chosen_raw[rows]
-            for row, rank in zip(rows, ((raw > chosen_raw).sum(dim=-1) + 1).tolist(), strict=True):
-                ranks[row] = rank
-        return ranks
+        logprobs = (chosen_raw[:, 0] - log_norm).tolist()
+        ranks = ((raw > chosen_raw).sum(dim=-1) + 1).tolist()
+        wanted = [seqs[row].params.logprobs or 0 for row in rows]
+        k = min(max(wanted), raw.shape[1])
+        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if k:
+            values, indices = raw.topk(k, dim=-1)
+            values_list = (values - log_norm[:, None]).tolist()
+            indices_list = indices.tolist()
+            top = [list(zip(indices_list[i][:count], values_list[i][:count], strict=True))
+                   for i, count in enumerate(wanted)]
+        return [SampledToken(token_id, logprob, rank, row_top) for token_id, logprob, rank, row_top
+                in zip(token_ids.tolist(), logprobs, ranks, top, strict=True)]
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Until min_tokens outputs exist, EOS (unless ignore_eos, where it never stops anyway) and the stop
@@ -151,23 +156,6 @@ class Sampler:
         # A zero draw means "arrives first"; keep it finite so a zero probability never wins by 0 / 0.
         token_ids[random_rows] = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
         return token_ids
-
-    def _top_logprobs(
-        self, raw: torch.Tensor, log_norm: torch.Tensor, seqs: list[Sequence]
-    ) -> list[list[tuple[int, float]] | None]:
-        wanted = [seq.params.logprobs for seq in seqs]
-        result: list[list[tuple[int, float]] | None] = [None if k is None else [] for k in wanted]
-        rows = [row for row, k in enumerate(wanted) if k]
-        if not rows:
-            return result
-        k = min(max(wanted[row] for row in rows), raw.shape[1])
-        values, indices = raw[rows].topk(k, dim=-1)
-        values = (values - log_norm[rows, None]).tolist()
-        indices = indices.tolist()
-        for i, row in enumerate(rows):
-            count = wanted[row]
-            result[row] = list(zip(indices[i][:count], values[i][:count], strict=True))
-        return result
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
