@@ -1,14 +1,15 @@
 """Paged attention over a block-structured KV cache, with per-step metadata shared by every layer.
 
-Layout of one layer's cache: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. A token at
+Layout of one layer's cache: [num_blocks, block_size, 2 (K, V), num_kv_heads, head_dim]. A token at
 position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
 
 Each step's sequences are split into groups (single-token decodes, then multi-token prefill chunks). A group
-runs as ONE scaled_dot_product_attention call: its sequences' K/V are gathered block-wise into a padded
-[B, kv_heads, L, head_dim] batch with one index_select (the head-major layout makes every (sequence, head)
-slice contiguous, as SDPA wants), and a precomputed additive mask hides padding and future tokens. K/V heads are
-never repeated: decodes fold the query heads sharing a KV head into the query axis, prefill chunks use SDPA's
-grouped-query mode."""
+runs as ONE scaled_dot_product_attention call: its sequences' K/V are gathered block-wise into a padded batch
+with one index_select over whole blocks (blocks-first, each block one contiguous run of K and V: the cheapest
+gather, about twice as fast as a head-major layout's), SDPA reads K and V as strided [B, kv_heads, L, head_dim]
+views of it, and a precomputed additive mask hides padding and future tokens. K/V heads are never repeated:
+decodes fold the query heads sharing a KV head into the query axis, prefill chunks use SDPA's grouped-query
+mode."""
 
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ class PagedAttention(nn.Module):
         """q [T, heads, D], k/v [T, kv_heads, D] (strided views are fine) -> [T, heads * D].
 
         Writes this step's K/V into their slots first, so every query also sees its own chunk's keys."""
-        kv_cache.view(2, self.num_kv_heads, -1, self.head_dim).index_copy_(
-            2, meta.slot_mapping, torch.stack((k, v)).transpose(1, 2)
+        kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
+            0, meta.slot_mapping, torch.stack((k, v), dim=1)
         )
         outputs = [self._attend_group(q, kv_cache, group) for group in meta.groups]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
@@ -176,14 +177,15 @@ class PagedAttention(nn.Module):
             q = q[group.token_start : group.token_end]
         else:
             q = q.index_select(0, group.query_index)
-        kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads, num_seqs, -1, head_dim)
-        kv = kv[:, :, :, : group.kv_len].transpose(1, 2)
+        kv = kv_cache.index_select(0, group.block_ids).view(num_seqs, -1, 2, kv_heads, head_dim)
+        kv = kv[:, : group.kv_len]
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         if query_len == 1:
             # Decode: the query heads sharing a KV head become that head's query rows (the mask broadcasts).
             q = q.view(num_seqs, kv_heads, self.num_queries_per_kv, head_dim)
-            out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)
             return out.reshape(num_seqs, self.num_heads * head_dim)
         q = q.view(num_seqs, query_len, self.num_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(num_seqs * query_len, self.num_heads * head_dim)
         return out if group.output_index is None else out.index_select(0, group.output_index)

@@ -28,7 +28,7 @@ class PagedModel:
         self.model = build_model(config)
         self.model.load_weights(load_file(model_dir / "model.safetensors"))
         self.kv_caches = [
-            torch.zeros(2, config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
+            torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, config.num_key_value_heads, config.head_dim)
             for _ in range(config.num_hidden_layers)
         ]
 

@@ -127,7 +127,7 @@ def test_kv_cache_is_sized_from_kv_cache_memory(tiny_model_dir: Path) -> None:
     config = runner.config
     bytes_per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * BLOCK_SIZE * config.head_dim * 4
     assert runner.num_blocks == int(0.001 * (1 << 30)) // bytes_per_block
-    assert runner.kv_cache.shape == (config.num_hidden_layers, 2, config.num_key_value_heads, runner.num_blocks,
-                                     BLOCK_SIZE, config.head_dim)
+    assert runner.kv_cache.shape == (config.num_hidden_layers, runner.num_blocks, BLOCK_SIZE, 2,
+                                     config.num_key_value_heads, config.head_dim)
     with pytest.raises(EmberError, match="holds no KV block"):
         make_runner(tiny_model_dir, kv_cache_memory=1e-9)
