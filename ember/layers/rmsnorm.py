@@ -17,9 +17,9 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        # Lower precision: normalize in float32, round, then scale (Hugging Face's exact rounding order),
-        # so greedy outputs do not drift from the reference implementation.
-        return F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype) * self.weight
+        # Lower precision: Hugging Face normalizes in float32, rounds, then scales. rms_norm without a weight
+        # computes in float32 and rounds once, so the same bits come out without the two dtype copies.
+        return F.rms_norm(x, self.normalized_shape, None, self.eps) * self.weight
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
