@@ -46,7 +46,7 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
-        return cls(LLMEngine(args))
+        return cls(_build_off_this_thread(args))
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -189,3 +189,27 @@ class AsyncEngine:
         if self._dead_error is not None:
             return f"the engine thread died: {self._dead_error!r}"
         return "the engine is not running (call start())" if self._thread is None else "the engine is stopping"
+
+
+def _build_off_this_thread(args: EngineArgs) -> LLMEngine:
+    """Build the engine (load, convert and pack the weights) in a short-lived thread, not the caller's.
+
+    libgomp gives each thread that runs a parallel region its own pool of OpenMP workers, and once the
+    pools hold more threads than there are cores it stops spin-waiting between regions. A model step runs
+    hundreds of small parallel regions, so a pool left behind by the event loop's thread (from loading the
+    weights there) made every step of the engine thread about 2x slower on 2 cores. A finished thread's
+    pool goes away with it; the event loop's thread then never runs torch at all."""
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            built["engine"] = LLMEngine(args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            built["error"] = exc
+
+    loader = threading.Thread(target=build, name="ember-engine-load")
+    loader.start()
+    loader.join()
+    if "error" in built:
+        raise built["error"]
+    return built["engine"]
