@@ -118,13 +118,13 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def long_context_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with an 8192-position context (RoPE needs no new weights), so one request can
+    """The tiny model with a 16384-position context (RoPE needs no new weights), so one request can
     keep the engine busy for seconds: long enough to observe queueing and draining."""
     path = tmp_path_factory.mktemp("tiny-long")
     for item in tiny_model_dir.iterdir():
         shutil.copy(item, path / item.name)
     config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 8192
+    config["max_position_embeddings"] = 16384
     (path / "config.json").write_text(json.dumps(config))
     return path
 

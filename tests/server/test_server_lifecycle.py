@@ -13,6 +13,8 @@ import pytest
 
 MODEL_NAME = "tiny"
 PROMPT = "Tell me a very long story about a lighthouse keeper and the sea."
+# Holds the only sequence slot well past the 8 s queue timeout even at the tiny model's fastest (~1 ms/token).
+LONG_REQUEST_TOKENS = 16000
 
 
 def completion(max_tokens: int, stream: bool) -> dict:
@@ -105,15 +107,17 @@ async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def limited_server(launch_server, long_context_model_dir):
-    """One sequence at a time, one queued request, 15 s queue timeout; the drain test ends it."""
+    """One sequence at a time, one queued request, 8 s queue timeout; the drain test ends it."""
     process = launch_server(
         long_context_model_dir,
+        "--max-model-len",
+        str(LONG_REQUEST_TOKENS + 64),
         "--max-num-seqs",
         "1",
         "--max-queued-requests",
         "1",
         "--queue-timeout",
-        "15",
+        "8",
         "--drain-timeout",
         "120",
     )
@@ -125,7 +129,7 @@ def limited_server(launch_server, long_context_model_dir):
 def test_full_queue_gets_429_and_queue_timeout_408(limited_server):
     server = limited_server
     url = f"{server.url}/v1/completions"
-    with httpx.stream("POST", url, json=completion(8000, True), timeout=120) as running:
+    with httpx.stream("POST", url, json=completion(LONG_REQUEST_TOKENS, True), timeout=120) as running:
         running_events = data_events(running)  # keep the generator: dropping it closes the stream
         next(running_events)  # A holds the only sequence slot
         waited: dict = {}
