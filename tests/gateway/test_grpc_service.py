@@ -48,6 +48,9 @@ def stub(gateway):
         yield pb_grpc.InferenceStub(channel)
 
 
+LONG_TOKENS = 16000
+
+
 def chat_request(max_tokens: int = 6, **fields) -> pb.GenerateRequest:
     chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Write a poem")])
     fields = {"temperature": 0.0, "ignore_eos": True, **fields}
@@ -149,15 +152,16 @@ def test_deadline_and_unavailable(held):
 
 
 def test_deadline_mid_stream_aborts_the_generation(stub, real_replica):  # noqa: F811
-    long_request = chat_request(max_tokens=900)
+    # Far more tokens than the tiny model can generate in the 2 s deadline, however fast the machine.
+    long_request = chat_request(max_tokens=LONG_TOKENS)
     generated_before = replica_metric(real_replica, "vllm:generation_tokens_total")
     chunks = []
     with pytest.raises(grpc.RpcError) as caught:
         for chunk in stub.Generate(long_request, metadata=metadata(), timeout=2.0):
             chunks.append(chunk)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert len(chunks) < 900
+    assert len(chunks) < LONG_TOKENS
     # The gateway dropped the call and the replica aborted the generation instead of finishing it.
     running = "vllm:num_requests_running"
     wait_until(lambda: replica_metric(real_replica, running) == 0, timeout_s=60, what="the replica to stop")
-    assert replica_metric(real_replica, "vllm:generation_tokens_total") - generated_before < 900
+    assert replica_metric(real_replica, "vllm:generation_tokens_total") - generated_before < LONG_TOKENS

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -114,19 +112,6 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
-
-
-@pytest.fixture(scope="session")
-def long_context_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 16384-position context (RoPE needs no new weights), so one request can
-    keep the engine busy for seconds: long enough to observe queueing and draining."""
-    path = tmp_path_factory.mktemp("tiny-long")
-    for item in tiny_model_dir.iterdir():
-        shutil.copy(item, path / item.name)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 16384
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="session")
