@@ -16,7 +16,7 @@ from ember.errors import EmberError
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_linear_weights
 from ember.models import build_model
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, cpu_supports_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model = build_model(config, self.device)
         self.model.load_weights(state_dict)
-        pack_linear_weights(self.model)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
+            pack_linear_weights(self.model)
 
         self.num_blocks = self._num_kv_blocks(args)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:

@@ -23,20 +23,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pre-pack every packable Linear of `model` (after its weights are loaded); returns how many."""
-    packed = 0
+def pack_linear_weights(model: nn.Module) -> None:
+    """Pre-pack every Linear of `model` (bfloat16 weights on a CPU with native bfloat16; after loading)."""
     for module in model.modules():
-        if isinstance(module, Linear) and can_pack(module.weight):
+        if isinstance(module, Linear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-            packed += 1
-    return packed

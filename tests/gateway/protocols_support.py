@@ -5,6 +5,7 @@ receiver. Import the fixtures into a test module to use them."""
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -142,7 +143,6 @@ def stop_process(process: subprocess.Popen) -> None:
 
 
 _shared_replica: tuple[subprocess.Popen, str] | None = None
-LONG_CONTEXT_POSITIONS = 16384
 
 
 @pytest.fixture(scope="session")
@@ -153,8 +153,9 @@ def real_replica(long_context_model_dir: Path, tmp_path_factory: pytest.TempPath
     server is plenty)."""
     global _shared_replica
     if _shared_replica is None or _shared_replica[0].poll() is not None:
+        positions = json.loads((long_context_model_dir / "config.json").read_text())["max_position_embeddings"]
         _shared_replica = start_ember_serve(long_context_model_dir, tmp_path_factory.mktemp("replica") / "serve.log",
-                                            max_model_len=LONG_CONTEXT_POSITIONS)
+                                            max_model_len=positions)
     yield _shared_replica[1]
     stop_process(_shared_replica[0])
 
