@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ember.errors import EmberError
+from ember.kernels.native import KERNEL_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -24,6 +25,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: os.cpu_count()
+    kernels: str = "auto"  # auto: ember's native CPU kernels where they can run, else torch ops
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -31,6 +33,8 @@ class EngineArgs:
             raise EmberError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise EmberError(f"device must be one of {', '.join(DEVICE_CHOICES)} or cuda:N, got {self.device!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise EmberError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
@@ -72,6 +76,11 @@ class EngineArgs:
                            help="reuse the KV cache of identical prompt prefixes across requests")
         group.add_argument("--num-threads", type=int, default=defaults.num_threads,
                            help="torch intra-op threads (default: the number of CPU cores)")
+        group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_CHOICES,
+                           help="native = ember's C kernels for bfloat16 on x86-64 CPUs with AVX-512 (paged decode "
+                                "attention, fused RMSNorm/RoPE/SiLU; built once with the system C compiler into "
+                                "~/.cache/ember), torch = PyTorch ops only, auto = native where it can run "
+                                "(default)")
         group.add_argument("--seed", type=int, default=defaults.seed,
                            help="seed of the global sampling generator (default: %(default)s)")
 

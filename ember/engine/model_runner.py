@@ -13,6 +13,7 @@ from ember.engine.args import EngineArgs
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.errors import EmberError
+from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_linear_weights
 from ember.models import build_model
@@ -41,6 +42,13 @@ class ModelRunner:
         self.model.load_weights(state_dict)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
             pack_linear_weights(self.model)
+        self.native = load_native_kernels(
+            args.kernels, self.device, self.dtype, (config.hidden_size, config.intermediate_size), config.head_dim,
+            config.num_attention_heads // config.num_key_value_heads,
+        )
+        for module in self.model.modules():
+            if hasattr(module, "native"):
+                module.native = self.native
 
         self.num_blocks = self._num_kv_blocks(args)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:
@@ -51,8 +59,10 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(config.eos_token_ids, self.device, args.seed)
-        logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB)", self.dtype, self.device,
-                    self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB)
+        logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+                    self.dtype, self.device, self.num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
+                    "native" if self.native else "torch")
 
     def _num_kv_blocks(self, args: EngineArgs) -> int:
         config = self.config
@@ -92,7 +102,7 @@ class ModelRunner:
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_seqs.append(i)
-        meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device)
+        meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device, self.native)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),

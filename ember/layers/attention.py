@@ -9,7 +9,10 @@ with one index_select over whole blocks (blocks-first, each block one contiguous
 gather, about twice as fast as a head-major layout's), SDPA reads K and V as strided [B, kv_heads, L, head_dim]
 views of it, and a precomputed additive mask hides padding and future tokens. K/V heads are never repeated:
 decodes fold the query heads sharing a KV head into the query axis, prefill chunks use SDPA's grouped-query
-mode."""
+mode.
+
+Where ember's native kernels run (ember/kernels/native.py), all single-token queries of a step
+form one group that the kernel answers reading K/V in place: no gather, no padding, no mask."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember.kernels.native import NativeKernels
 
 # Padded K/V slots one group gathers. Bounded so the gathered batch stays in cache for SDPA and never needs
 # fresh (page-faulting) memory: one big gather of 64 sequences x 768 tokens costs ~2.5x more per slot.
@@ -45,12 +50,14 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [B * num_blocks] physical blocks to gather, padded with block 0 (masked)
     kv_len: int  # keys attended per sequence after the gather (num_blocks * block_size, or exact for B == 1)
     mask: torch.Tensor | None  # additive [B, 1, query_len, kv_len]; None when every key is visible
+    context_lens: torch.Tensor | None = None  # [B] keys per sequence; set when native decode attention runs
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
+    native: NativeKernels | None = None  # decode groups run its paged decode attention
 
 
 def build_attention_metadata(
@@ -58,10 +65,12 @@ def build_attention_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    native: NativeKernels | None = None,
 ) -> AttentionMetadata:
     """Build once per step. `spans` are in flat-batch order. Consecutive single-token spans form decode groups
     and consecutive multi-token spans prefill groups, each gathering at most MAX_GROUP_KV_SLOTS padded K/V
-    slots; callers put decodes first, sorted by context length, so a group's sequences pad little."""
+    slots; callers put decodes first, sorted by context length, so a group's sequences pad little. With
+    `native` kernels, consecutive single-token spans form one group whatever their size (nothing is gathered)."""
     slots = []
     for span in spans:
         positions = np.arange(span.num_computed_tokens, span.num_computed_tokens + span.num_new_tokens)
@@ -78,19 +87,51 @@ def build_attention_metadata(
         end = start + 1
         while end < len(spans) and (spans[end].num_new_tokens == 1) == is_decode:
             widest = max(num_blocks, _num_context_blocks(spans[end], block_size))
-            if (end - start + 1) * widest * block_size > MAX_GROUP_KV_SLOTS:
+            if (end - start + 1) * widest * block_size > MAX_GROUP_KV_SLOTS and not (is_decode and native):
                 break
             num_blocks = widest
             end += 1
-        group = _build_group(spans[start:end], token_start, block_size, dtype, device)
+        if is_decode and native is not None:
+            group = _build_kernel_decode_group(spans[start:end], token_start, block_size, device)
+        else:
+            group = _build_group(spans[start:end], token_start, block_size, dtype, device)
         groups.append(group)
         token_start = group.token_end
         start = end
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, native=native)
 
 
 def _num_context_blocks(span: SequenceSpan, block_size: int) -> int:
     return -(-(span.num_computed_tokens + span.num_new_tokens) // block_size)
+
+
+def _padded_block_tables(spans: list[SequenceSpan], context_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """[B, blocks of the longest context] block ids, padded with block 0 (never read unmasked)."""
+    tables = np.zeros((len(spans), int(-(-context_lens.max() // block_size))), dtype=np.int64)
+    for row, span in enumerate(spans):
+        used = -(-int(context_lens[row]) // block_size)
+        tables[row, :used] = span.block_table[:used]
+    return tables
+
+
+def _build_kernel_decode_group(
+    spans: list[SequenceSpan], token_start: int, block_size: int, device: torch.device
+) -> AttentionGroup:
+    context_lens = np.array([s.num_computed_tokens + 1 for s in spans])
+    block_tables = _padded_block_tables(spans, context_lens, block_size)
+    num_blocks = block_tables.shape[1]
+    return AttentionGroup(
+        token_start=token_start,
+        token_end=token_start + len(spans),
+        num_seqs=len(spans),
+        query_len=1,
+        query_index=None,
+        output_index=None,
+        block_ids=torch.from_numpy(block_tables.reshape(-1)).to(device),
+        kv_len=num_blocks * block_size,
+        mask=None,
+        context_lens=torch.from_numpy(context_lens).to(device),
+    )
 
 
 def _build_group(
@@ -106,12 +147,8 @@ def _build_group(
     context_lens = computed + query_lens
     query_len = int(query_lens.max())
     num_tokens = int(query_lens.sum())
-    num_blocks = int(-(-context_lens.max() // block_size))
-
-    block_ids = np.zeros((num_seqs, num_blocks), dtype=np.int64)
-    for row, span in enumerate(spans):
-        used = -(-int(context_lens[row]) // block_size)
-        block_ids[row, :used] = span.block_table[:used]
+    block_ids = _padded_block_tables(spans, context_lens, block_size)
+    num_blocks = block_ids.shape[1]
     # One sequence needs no padding: attend to exactly its context (a strided view of the gathered blocks).
     kv_len = int(context_lens[0]) if num_seqs == 1 else num_blocks * block_size
 
@@ -160,14 +197,28 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] (strided views are fine) -> [T, heads * D].
 
-        Writes this step's K/V into their slots first, so every query also sees its own chunk's keys."""
-        kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
-            0, meta.slot_mapping, torch.stack((k, v), dim=1)
-        )
-        outputs = [self._attend_group(q, kv_cache, group) for group in meta.groups]
+        Writes this step's K/V into their slots first (unless the caller did: `kv_written`), so every query
+        also sees its own chunk's keys."""
+        if not kv_written:
+            kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
+                0, meta.slot_mapping, torch.stack((k, v), dim=1)
+            )
+        outputs = [
+            self._attend_group(q, kv_cache, group)
+            if group.context_lens is None
+            else meta.native.paged_decode_attention(
+                q[group.token_start : group.token_end],
+                kv_cache,
+                group.block_ids.view(group.num_seqs, -1),
+                group.context_lens,
+                self.head_dim**-0.5,
+            )
+            for group in meta.groups
+        ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _attend_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.native import NativeKernels
+
 
 class RMSNorm(nn.Module):
+    native: NativeKernels | None = None  # the fused add + norm kernel, for bfloat16 on CPU (model runner sets it)
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -25,6 +29,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); without a residual, x itself is the new residual."""
+        if self.native is not None:
+            return self.native.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels.native import NativeKernels
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.linear import Linear
@@ -18,6 +19,8 @@ from ember.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
+    native: NativeKernels | None = None  # fused RoPE + KV-cache write for bfloat16 on CPU (model runner sets it)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -42,6 +45,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.native is not None:
+            self.native.rotary_and_cache(qkv, cos, sin, meta.slot_mapping, kv_cache, self.num_heads)
+            q, k, v = qkv.view(num_tokens, -1, self.head_dim).split(
+                (self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1
+            )
+            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
         # q and k rotate together: one set of elementwise ops for both.
         qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)

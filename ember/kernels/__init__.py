@@ -1,0 +1,6 @@
+"""Native CPU kernels, compiled at run time for the model being served.
+
+A kernel is one C file next to this module, built once per (source, shape constants, compiler, CPU) with the
+system's C compiler (-O3 -march=native -fopenmp) into the user cache, and called through ctypes on torch
+tensors' memory. Building at run time keeps the package pure Python and lets the compiler target the exact
+CPU; where no compiler or no suitable CPU exists, callers fall back to their PyTorch path."""

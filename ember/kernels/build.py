@@ -1,0 +1,74 @@
+"""Compile a kernel's C source into a shared library once and load it (see the package docstring)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
+    )
+    return Path(root) / "kernels"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.cache
+def load_kernel(source_name: str, defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
+    """The library built from SOURCE_DIR/source_name with -D<name>=<value> for each of `defines`.
+
+    Raises KernelBuildError when there is no compiler or the build fails."""
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    source = SOURCE_DIR / source_name
+    flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), _compiler_identity(cc), _cpu_identity()):
+        key.update(part)
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent processes never load a half-written library.
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([cc, *flags, str(source), "-o", partial], capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(partial)
+            raise KernelBuildError(f"{cc} failed to build {source_name}:\n{result.stderr[-2000:]}")
+        os.replace(partial, target)
+        logger.info("built native kernel %s", target)
+    return ctypes.CDLL(str(target))
+
+
+def _compiler_identity(cc: str) -> bytes:
+    return subprocess.run([cc, "--version"], capture_output=True).stdout
+
+
+def _cpu_identity() -> bytes:
+    # -march=native builds for this CPU: a cache shared by different machines must not mix their builds.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()

@@ -1,0 +1,116 @@
+// The decoder layer's elementwise steps fused into one pass each, bfloat16, AVX-512F (widths are multiples
+// of 16). In PyTorch each is 3-5 separate ops, each a full pass over memory plus a dispatch; at decode batch
+// sizes the dispatches dominate, in prefill the passes do.
+//
+// Every intermediate is rounded to bfloat16 where PyTorch's op sequence rounds it, so results match the
+// PyTorch path bit for bit except where a transcendental (exp in SiLU) or a sum's order differs in the last
+// float32 bit before rounding.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+// Split rows across threads only when there is enough work to pay for waking them.
+#define PARALLEL_MIN_ELEMENTS 32768
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline __m512 round_bf16(__m512 x) {  // round to nearest even, keep as float32
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 rounded) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+
+static inline __m512 exp512(__m512 x) {  // see paged_decode_attention.c; clamped to float32's range
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// residual = x + residual (in place; skipped when residual is x itself), out = rms_norm(residual) * weight,
+// as RMSNorm.forward: the norm in float32 rounded once, then the bfloat16 weight multiply rounded again.
+void add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                  int64_t width, float eps, int num_threads) {
+    const int add = x != residual;
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        uint16_t *res = residual + row * width;
+        const uint16_t *in = x + row * width;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i += 16) {
+            __m512 h = load_bf16(res + i);
+            if (add) {
+                h = round_bf16(_mm512_add_ps(load_bf16(in + i), h));
+                store_bf16(res + i, h);
+            }
+            squares = _mm512_fmadd_ps(h, h, squares);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / width + eps));
+        for (int64_t i = 0; i < width; i += 16) {
+            __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(res + i), scale));
+            store_bf16(out + row * width + i, round_bf16(_mm512_mul_ps(normed, load_bf16(weight + i))));
+        }
+    }
+}
+
+// out = silu(gate) * up for gate_up rows [gate (width), up (width)], each product rounded as PyTorch's
+// F.silu(gate) * up rounds it.
+void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        const uint16_t *gate = gate_up + row * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i += 16) {
+            __m512 g = load_bf16(gate + i);
+            __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                    exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            store_bf16(out + row * width + i, round_bf16(_mm512_mul_ps(silu, load_bf16(up + i))));
+        }
+    }
+}
+
+// Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, each product and
+// the sum rounded, as apply_rotary) and writes the row's k and v into its KV-cache slot
+// ([slot, 2 (K, V), num_kv_heads, head_dim]).
+void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed, const int64_t *slots,
+                      uint16_t *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                      int num_threads) {
+    const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        uint16_t *x = qkv + row * row_width;
+        const uint16_t *c = cos + row * head_dim, *s = sin_signed + row * head_dim;
+        for (int head = 0; head < num_heads + num_kv_heads; head++) {
+            uint16_t *h = x + head * head_dim;
+            __m512 rotated[head_dim / 16];
+            for (int i = 0; i < head_dim; i += 16) {
+                __m512 straight = round_bf16(_mm512_mul_ps(load_bf16(h + i), load_bf16(c + i)));
+                __m512 rolled = round_bf16(_mm512_mul_ps(load_bf16(h + (i + half) % head_dim), load_bf16(s + i)));
+                rotated[i / 16] = round_bf16(_mm512_add_ps(straight, rolled));
+            }
+            for (int i = 0; i < head_dim; i += 16) store_bf16(h + i, rotated[i / 16]);
+        }
+        uint16_t *slot = cache + slots[row] * 2 * kv_width;
+        const uint16_t *k = x + (int64_t)num_heads * head_dim;
+        for (int64_t i = 0; i < 2 * kv_width; i += 16)  // k then v: one contiguous run in qkv and in the slot
+            _mm256_storeu_si256((__m256i *)(slot + i), _mm256_loadu_si256((const __m256i *)(k + i)));
+    }
+}

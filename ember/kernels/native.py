@@ -1,0 +1,144 @@
+"""ember's C kernels for one model shape (x86-64 CPUs with AVX-512, bfloat16), called on torch tensors.
+
+- paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
+  single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
+- fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
+
+Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
+PyTorch path for every other device and dtype."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+
+import torch
+
+from ember.errors import EmberError
+from ember.kernels.build import KernelBuildError, load_kernel
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+_pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
+    function = getattr(library, name)
+    function.argtypes = list(argtypes)
+    function.restype = None
+    return function
+
+
+class NativeKernels:
+    def __init__(self, head_dim: int, queries_per_kv: int) -> None:
+        attention = load_kernel(
+            "paged_decode_attention.c", (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
+        )
+        fused = load_kernel("fused_ops.c", ())
+        self._decode = _bind(attention, "paged_decode_attention", _pointer, _int64, _pointer, _pointer, _int64,
+                             _pointer, _pointer, _int, _int, _int, _float, _int)
+        self._add_rms_norm = _bind(fused, "add_rms_norm", _pointer, _pointer, _pointer, _pointer, _int64, _int64,
+                                   _float, _int)
+        self._silu_and_mul = _bind(fused, "silu_and_mul", _pointer, _pointer, _int64, _int64, _int)
+        self._rotary_and_cache = _bind(fused, "rotary_and_cache", _pointer, _pointer, _pointer, _pointer,
+                                       _pointer, _int64, _int, _int, _int, _int)
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, heads, D] (any row stride; heads and D contiguous), kv_cache one layer's
+        [blocks, block_size, 2, kv_heads, D], block_tables [B, max_blocks] int64, context_lens [B] int64
+        (keys per sequence, this step's included) -> [B, heads * D]."""
+        num_seqs, num_heads, head_dim = q.shape
+        _check(q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous(), "decode attention")
+        out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        self._decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                     block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), num_seqs, kv_cache.shape[3],
+                     kv_cache.shape[1], scale, torch.get_num_threads())
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual) * weight, x + residual), the sum written into `residual` in place;
+        without a residual, x is the new residual."""
+        residual = x if residual is None else residual
+        _check(x.is_contiguous() and residual.is_contiguous(), "add_rms_norm")
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                           x.shape[1], eps, torch.get_num_threads())
+        return out, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        _check(gate_up.is_contiguous(), "silu_and_mul")
+        out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        return out
+
+    def rotary_and_cache(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+    ) -> None:
+        """Rotate qkv's q and k heads in place (qkv [T, (heads + 2 kv_heads) * D]; cos/sin [T, D] rows) and
+        write each row's k and v into its slot of one layer's cache [blocks, block_size, 2, kv_heads, D]."""
+        _check(qkv.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
+               and kv_cache.is_contiguous(), "rotary_and_cache")
+        self._rotary_and_cache(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(),
+                               kv_cache.data_ptr(), qkv.shape[0], num_heads, kv_cache.shape[3], kv_cache.shape[4],
+                               torch.get_num_threads())
+
+
+def _check(condition: bool, kernel: str) -> None:
+    if not condition:
+        raise ValueError(f"native {kernel} needs contiguous inputs")
+
+
+def load_native_kernels(
+    setting: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    widths: tuple[int, ...],
+    head_dim: int,
+    queries_per_kv: int,
+) -> NativeKernels | None:
+    """The kernels for `setting` "native" (an error if they cannot run here) or "auto" (None, logged, if they
+    cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will see."""
+    if setting == "torch":
+        return None
+    reason = _unsupported_reason(device, dtype, widths, head_dim)
+    if reason is None:
+        try:
+            return NativeKernels(head_dim, queries_per_kv)
+        except KernelBuildError as exc:
+            reason = str(exc)
+    if setting == "native":
+        raise EmberError(f"native kernels cannot run here: {reason}")
+    logger.info("kernels: torch (native kernels unavailable: %s)", reason)
+    return None
+
+
+def _unsupported_reason(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], head_dim: int) -> str | None:
+    if device.type != "cpu":
+        return f"they are CPU kernels and the device is {device}"
+    if dtype != torch.bfloat16:
+        return f"they are bfloat16 kernels and the dtype is {dtype}"
+    if head_dim % 32 or any(width % 16 for width in widths):
+        return f"head_dim {head_dim} is not a multiple of 32 or a layer width of {widths} not one of 16"
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.cpu.get_cpu_capability(
+    ).startswith("AVX512"):
+        return "the CPU lacks AVX-512"
+    return None

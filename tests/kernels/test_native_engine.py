@@ -1,0 +1,48 @@
+"""The real SmolLM2 in bfloat16 with ember's native kernels against the same engine on PyTorch ops only:
+greedy continuations agree token for token, with logprobs within bfloat16 rounding, until (at most) a step
+where the PyTorch path's top two candidates were a near-tie."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.kernels.native import load_native_kernels
+
+TEXTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
+    "Write a poem about the sea.", "Water boils at", "SELECT name FROM users WHERE", "The quick brown fox",
+]
+MAX_NEW = 24
+# Logits near 20 have a bfloat16 spacing of 0.125: allow two such steps between the two paths.
+LOGPROB_TOLERANCE = 0.25
+
+
+def greedy(model: Path, kernels: str) -> list:
+    llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False)
+    assert (llm.engine.runner.native is not None) == (kernels == "native")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    return [result.outputs[0] for result in llm.generate(TEXTS, params)]
+
+
+@pytest.mark.slow
+def test_native_kernels_follow_the_torch_path(smollm2_gguf_path: Path) -> None:
+    if load_native_kernels("auto", torch.device("cpu"), torch.bfloat16, (576, 1536), 64, 3) is None:
+        pytest.skip("native kernels cannot run on this machine")
+    reference, native = greedy(smollm2_gguf_path, "torch"), greedy(smollm2_gguf_path, "native")
+    identical = 0
+    for expected, got in zip(reference, native, strict=True):
+        for step, (token, other) in enumerate(zip(expected.token_ids, got.token_ids, strict=True)):
+            candidates = sorted(expected.logprobs[step].values(), key=lambda lp: lp.rank)
+            if token != other:
+                margin = candidates[0].logprob - candidates[1].logprob
+                assert margin <= 2 * LOGPROB_TOLERANCE, f"diverged at step {step} despite a margin of {margin}"
+                break
+            assert abs(expected.logprobs[step][token].logprob - got.logprobs[step][token].logprob) <= (
+                LOGPROB_TOLERANCE)
+        else:
+            identical += 1
+    assert identical >= len(TEXTS) // 2

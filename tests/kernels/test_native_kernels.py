@@ -1,0 +1,109 @@
+"""ember's native CPU kernels against the PyTorch ops they replace, on random bfloat16 data.
+
+Skipped where they cannot run (no AVX-512 or no C compiler); the engine falls back to PyTorch there."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ember.kernels.native import NativeKernels, load_native_kernels
+from ember.layers.activation import SiluAndMul
+from ember.layers.attention import PagedAttention, SequenceSpan, build_attention_metadata
+from ember.layers.rmsnorm import RMSNorm
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeKernels:
+    kernels = load_native_kernels("auto", CPU, torch.bfloat16, (576, 1536), HEAD_DIM, HEADS // KV_HEADS)
+    if kernels is None:
+        pytest.skip("native kernels cannot run on this machine")
+    return kernels
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 units in the last place (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def test_add_rms_norm_matches_torch(native: NativeKernels) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.rand(576) + 0.5).bfloat16()
+    x, residual = torch.randn(37, 576).bfloat16(), torch.randn(37, 576).bfloat16()
+    expected_out, expected_residual = norm(x, residual.clone())
+    out, new_residual = native.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert new_residual.data_ptr() == residual.data_ptr()  # the sum lands in the residual buffer
+    assert torch.equal(new_residual, expected_residual)
+    assert ulps_apart(out, expected_out).max() <= 1
+    assert (out == expected_out).float().mean() > 0.99
+    first_out, first_residual = native.add_rms_norm(x, None, norm.weight, norm.eps)
+    assert first_residual is x
+    assert ulps_apart(first_out, norm(x)[0]).max() <= 1
+
+
+def test_silu_and_mul_matches_torch(native: NativeKernels) -> None:
+    torch.manual_seed(1)
+    gate_up = (torch.randn(45, 2 * 1536) * 4).bfloat16()
+    expected = SiluAndMul()(gate_up)
+    out = native.silu_and_mul(gate_up)
+    assert ulps_apart(out, expected).max() <= 1
+    assert (out == expected).float().mean() > 0.99
+
+
+def test_rotary_and_cache_is_bit_exact(native: NativeKernels) -> None:
+    torch.manual_seed(2)
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None, torch.bfloat16, CPU)
+    tokens = 21
+    positions = torch.randint(0, 4096, (tokens,))
+    cos, sin = rotary(positions)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+    qk_size = (HEADS + KV_HEADS) * HEAD_DIM
+    expected_qk = apply_rotary(qkv[:, :qk_size].view(tokens, -1, HEAD_DIM), cos, sin).reshape(tokens, -1)
+    cache = torch.zeros(8, BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    slots = torch.randperm(8 * BLOCK)[:tokens]
+    v = qkv[:, qk_size:].clone()
+    native.rotary_and_cache(qkv, cos, sin, slots, cache, HEADS)
+    assert torch.equal(qkv[:, :qk_size], expected_qk)
+    assert torch.equal(qkv[:, qk_size:], v)
+    written = cache.view(-1, 2, KV_HEADS * HEAD_DIM)[slots]
+    assert torch.equal(written[:, 0], expected_qk[:, HEADS * HEAD_DIM :])
+    assert torch.equal(written[:, 1], v)
+
+
+@pytest.mark.parametrize("context_lens", [[1, 15, 16, 17, 200, 333], [1], [40]])
+def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, context_lens: list[int]) -> None:
+    """Scrambled block tables, contexts ending anywhere in a block; one sequence (split by KV head) too."""
+    rng = np.random.default_rng(3)
+    torch.manual_seed(3)
+    blocks_needed = [-(-n // BLOCK) for n in context_lens]
+    physical = rng.permutation(sum(blocks_needed) + 4)
+    tables, start = [], 0
+    for count in blocks_needed:
+        tables.append(physical[start : start + count].tolist())
+        start += count
+    cache = torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    spans = [SequenceSpan(n - 1, 1, table) for n, table in zip(context_lens, tables, strict=True)]
+    qkv = torch.randn(len(spans), (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)  # a strided view, as in the model
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+    attention = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)
+    meta = build_attention_metadata(spans, BLOCK, torch.bfloat16, CPU, native)
+    assert [group.context_lens is not None for group in meta.groups] == [True]
+    out = attention(q, k, v, cache, meta)
+
+    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    for row, (n, table) in enumerate(zip(context_lens, tables, strict=True)):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
+        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
+        query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        scores = torch.einsum("ghd,tgd->ght", query, keys) * HEAD_DIM**-0.5
+        exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values).reshape(-1)
+        # bfloat16 output: within half a unit in the last place of the exact result, plus float32 noise.
+        assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
