@@ -37,7 +37,14 @@ def compiler() -> str | None:
 def load_kernel(source_name: str, defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
     """The library built from SOURCE_DIR/source_name with -D<name>=<value> for each of `defines`.
 
-    Raises KernelBuildError when there is no compiler or the build fails."""
+    Raises KernelBuildError when there is no compiler, the build fails or the library cannot be loaded."""
+    try:
+        return _build_and_load(source_name, defines)
+    except OSError as exc:  # unwritable cache, missing compiler pieces, a library the loader refuses
+        raise KernelBuildError(f"{source_name}: {exc}") from exc
+
+
+def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")

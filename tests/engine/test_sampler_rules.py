@@ -45,6 +45,15 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy(sampler: Sampler) -> None:
     assert [t.rank for t in sampler(logits, [make_seq(temperature=0.0, logprobs=0) for _ in range(6)])] == [1] * 6
 
 
+def test_greedy_ties_pick_the_lowest_token_id(sampler: Sampler) -> None:
+    """bfloat16 logits tie often; the choice must not depend on the reduction's thread split."""
+    logits = torch.zeros(3, 40000)
+    logits[0, [5, 900, 39999]] = 2.0
+    logits[1, [31000, 12]] = 1.0
+    chosen = sampler(logits, [make_seq(temperature=0.0) for _ in range(3)])
+    assert [t.token_id for t in chosen] == [5, 12, 0]
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: Sampler) -> None:
     logits = torch.zeros(1, VOCAB)  # uniform: every draw depends only on the generator
 
