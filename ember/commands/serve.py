@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /metrics, ...). SIGTERM or Ctrl-C drains in-flight requests, then exits.",
     )
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, serving=True)
     group = parser.add_argument_group("server")
     group.add_argument(
         "--served-model-name",
