@@ -51,7 +51,8 @@ def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...]) -> c
     source = SOURCE_DIR / source_name
     flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), _compiler_identity(cc), _cpu_identity()):
+    headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), _compiler_identity(cc), _cpu_identity()):
         key.update(part)
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():

@@ -10,26 +10,13 @@
 // sequential within a block. Per tile: scores of every query head (fp32 products of bf16 inputs, like SDPA's),
 // an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators. The gather +
 // padded SDPA this replaces copies every key twice before reading it.
-#include <immintrin.h>
-#include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
 
+#include "bf16_simd.h"
+
 #define CHUNKS (HEAD_DIM / 16)
 #define TILE 16
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion (inputs are finite).
-static inline void store_bf16(uint16_t *p, __m512 x) {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
 
 // Lane i of the result = the sum of v[i]'s 16 lanes (a transpose-and-add tree: ~3 instructions per sum
 // instead of ~8 for a horizontal reduction of each vector).
@@ -47,24 +34,6 @@ static inline __m512 sum_lanes16(const __m512 *v) {
             _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial
-// (relative error ~2e-7, below bfloat16's resolution by far).
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 static inline __mmask16 tile_mask(int64_t valid) {
@@ -172,8 +141,8 @@ void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint1
         for (int h = 0; h < num_queries; h++)
             for (int c = 0; c < CHUNKS; c++)
                 store_bf16(seq_out + h * HEAD_DIM + c * 16,
-                           _mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + c * 16),
-                                         _mm512_set1_ps(1.0f / running_sum[h])));
+                           round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + c * 16),
+                                         _mm512_set1_ps(1.0f / running_sum[h]))));
         free(query);
         free(running_max);
     }
