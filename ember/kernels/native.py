@@ -3,6 +3,7 @@
 - paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
   single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
+- small_gemm.c: Linear layers for decode batches of up to SMALL_GEMM_MAX_ROWS rows (AVX512-BF16 only).
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SMALL_GEMM_MAX_ROWS = 4  # MAX_ROWS in small_gemm.c
 
 
 def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
@@ -45,6 +47,10 @@ class NativeKernels:
         self._silu_and_mul = _bind(fused, "silu_and_mul", _pointer, _pointer, _int64, _int64, _int)
         self._rotary_and_cache = _bind(fused, "rotary_and_cache", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
+        gemm = load_kernel("small_gemm.c", ())
+        self.has_small_gemm = bool(gemm.small_gemm_supported())
+        self._small_gemm = _bind(gemm, "small_gemm", _pointer, _int64, _pointer, _pointer, _pointer, _int, _int64,
+                                 _int64, _int)
 
     def paged_decode_attention(
         self,
@@ -100,6 +106,25 @@ class NativeKernels:
         self._rotary_and_cache(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(),
                                kv_cache.data_ptr(), qkv.shape[0], num_heads, kv_cache.shape[3], kv_cache.shape[4],
                                torch.get_num_threads())
+
+
+    @staticmethod
+    def pack_small_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [N, K] re-laid out for small_gemm ([N/16][K/2][16][2]); None for shapes it cannot take."""
+        n, k = weight.shape
+        if n % 32 or k % 2:
+            return None
+        return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def small_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows <= SMALL_GEMM_MAX_ROWS, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
+        rows, k = x.shape
+        _check(x.stride(1) == 1 and rows <= SMALL_GEMM_MAX_ROWS, "small_gemm")
+        n = packed.shape[0] * 16
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        self._small_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         out.data_ptr(), rows, n, k, torch.get_num_threads())
+        return out
 
 
 def _check(condition: bool, kernel: str) -> None:

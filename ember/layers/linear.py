@@ -11,13 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.native import SMALL_GEMM_MAX_ROWS, NativeKernels
+
 
 class Linear(nn.Linear):
-    """nn.Linear plus an optional pre-packed copy of the weight that forward uses when present."""
+    """nn.Linear plus optional pre-packed copies of the weight that forward uses when present: oneDNN's, and
+    for decode batches of a few rows the native small GEMM's (ember/kernels/small_gemm.c)."""
 
     packed_weight: torch.Tensor | None = None
+    native: NativeKernels | None = None
+    small_gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_gemm_weight is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            return self.native.small_gemm(x, self.small_gemm_weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -28,3 +35,10 @@ def pack_linear_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+
+
+def pack_small_gemm_weights(model: nn.Module, native: NativeKernels) -> None:
+    """Give every Linear whose shape the native small GEMM takes its re-laid-out weight (after loading)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.small_gemm_weight = native.pack_small_gemm_weight(module.weight.detach())

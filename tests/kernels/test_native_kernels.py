@@ -107,3 +107,22 @@ def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, c
         exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values).reshape(-1)
         # bfloat16 output: within half a unit in the last place of the exact result, plus float32 noise.
         assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_gemm_matches_linear(native: NativeKernels, rows: int, with_bias: bool) -> None:
+    if not native.has_small_gemm:
+        pytest.skip("the CPU lacks AVX512-BF16")
+    torch.manual_seed(4 + rows)
+    weight = (torch.randn(960, 576) * 0.05).bfloat16()
+    bias = torch.randn(960).bfloat16() if with_bias else None
+    wide = torch.randn(rows, 2 * 576).bfloat16()
+    x = wide[:, :576]  # rows with a stride of 2 K, as a slice of a wider activation
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    packed = native.pack_small_gemm_weight(weight)
+    out = native.small_gemm(x, packed, bias)
+    # float32 accumulation in another order, then one rounding: within a bfloat16 ulp of the exact result.
+    assert (out.float() - expected).abs().max() <= expected.abs().max() * 2**-8 + 1e-3
+    assert torch.equal(native.small_gemm(x.contiguous(), packed, bias), out)
+    assert native.pack_small_gemm_weight(torch.zeros(48, 576).bfloat16()) is None  # 48 outputs: not 32-aligned
