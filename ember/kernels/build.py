@@ -69,10 +69,12 @@ def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...]) -> c
     return ctypes.CDLL(str(target))
 
 
+@functools.cache  # once per process, not once per kernel
 def _compiler_identity(cc: str) -> bytes:
     return subprocess.run([cc, "--version"], capture_output=True).stdout
 
 
+@functools.cache
 def _cpu_identity() -> bytes:
     # -march=native builds for this CPU: a cache shared by different machines must not mix their builds.
     try:

@@ -119,7 +119,9 @@ class NativeKernels:
     def small_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows <= SMALL_GEMM_MAX_ROWS, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
         rows, k = x.shape
-        _check(x.stride(1) == 1 and rows <= SMALL_GEMM_MAX_ROWS, "small_gemm")
+        if not 0 < rows <= SMALL_GEMM_MAX_ROWS:
+            raise ValueError(f"native small_gemm takes 1 to {SMALL_GEMM_MAX_ROWS} rows, got {rows}")
+        _check(x.stride(1) == 1, "small_gemm")
         n = packed.shape[0] * 16
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         self._small_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),

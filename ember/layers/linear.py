@@ -23,7 +23,7 @@ class Linear(nn.Linear):
     small_gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_gemm_weight is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if self.small_gemm_weight is not None and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             return self.native.small_gemm(x, self.small_gemm_weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -126,3 +126,5 @@ def test_small_gemm_matches_linear(native: NativeKernels, rows: int, with_bias: 
     assert (out.float() - expected).abs().max() <= expected.abs().max() * 2**-8 + 1e-3
     assert torch.equal(native.small_gemm(x.contiguous(), packed, bias), out)
     assert native.pack_small_gemm_weight(torch.zeros(48, 576).bfloat16()) is None  # 48 outputs: not 32-aligned
+    with pytest.raises(ValueError, match="1 to 4 rows"):  # the C side indexes a kernel by row count
+        native.small_gemm(x[:0], packed, bias)
