@@ -15,7 +15,7 @@ from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.errors import EmberError
 from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
-from ember.layers.linear import pack_linear_weights, pack_small_gemm_weights
+from ember.layers.linear import pack_gemm_weights, pack_linear_weights
 from ember.models import build_model
 from ember.models.config import ModelConfig, cpu_supports_bfloat16
 
@@ -49,8 +49,8 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "native"):
                 module.native = self.native
-        if self.native is not None and self.native.has_small_gemm:
-            pack_small_gemm_weights(self.model, self.native)
+        if self.native is not None and self.native.gemm_name is not None:
+            pack_gemm_weights(self.model, self.native)
 
         self.num_blocks = self._num_kv_blocks(args)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:

@@ -3,7 +3,8 @@
 - paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
   single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
-- small_gemm.c: Linear layers for decode batches of up to SMALL_GEMM_MAX_ROWS rows (AVX512-BF16 only).
+- amx_gemm.c, small_gemm.c: Linear layers for decode batches (the "decode GEMM"): up to 128 rows with AMX
+  tiles where the CPU has them, else up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -24,7 +25,11 @@ logger = logging.getLogger(__name__)
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SMALL_GEMM_MAX_ROWS = 4  # MAX_ROWS in small_gemm.c
+# kernel name -> (library, the most rows it is used for, the multiple of K it needs). amx_gemm.c takes any
+# number of rows, but past ~128 it is compute-bound and oneDNN's GEMM is as fast or faster (measured, SmolLM2
+# shapes: 64 rows 9.6 vs 12.5 ms of Linear per step, 128 rows 17.4 vs 19.5, 160 rows 23.9 vs 21.4);
+# small_gemm.c holds at most 4 rows in registers (MAX_ROWS there).
+DECODE_GEMMS = {"amx": ("amx_gemm.c", 128, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
 
 
 def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
@@ -35,7 +40,10 @@ def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
 
 
 class NativeKernels:
-    def __init__(self, head_dim: int, queries_per_kv: int) -> None:
+    """The kernels for one model shape. `decode_gemm`: a name of DECODE_GEMMS, or "auto" for the first the
+    CPU supports; `gemm_name` is None (and `gemm_max_rows` 0) when none is."""
+
+    def __init__(self, head_dim: int, queries_per_kv: int, decode_gemm: str = "auto") -> None:
         attention = load_kernel(
             "paged_decode_attention.c", (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
         )
@@ -47,10 +55,16 @@ class NativeKernels:
         self._silu_and_mul = _bind(fused, "silu_and_mul", _pointer, _pointer, _int64, _int64, _int)
         self._rotary_and_cache = _bind(fused, "rotary_and_cache", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
-        gemm = load_kernel("small_gemm.c", ())
-        self.has_small_gemm = bool(gemm.small_gemm_supported())
-        self._small_gemm = _bind(gemm, "small_gemm", _pointer, _int64, _pointer, _pointer, _pointer, _int, _int64,
-                                 _int64, _int)
+        self.gemm_name: str | None = None
+        self.gemm_max_rows = 0
+        for name in DECODE_GEMMS if decode_gemm == "auto" else (decode_gemm,):
+            source, max_rows, self._gemm_k_multiple = DECODE_GEMMS[name]
+            library = load_kernel(source, ())
+            if getattr(library, f"{source[:-2]}_supported")():
+                self.gemm_name, self.gemm_max_rows = name, max_rows
+                self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
+                                   _int64, _int64, _int)
+                break
 
     def paged_decode_attention(
         self,
@@ -108,24 +122,24 @@ class NativeKernels:
                                torch.get_num_threads())
 
 
-    @staticmethod
-    def pack_small_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
-        """weight [N, K] re-laid out for small_gemm ([N/16][K/2][16][2]); None for shapes it cannot take."""
+    def pack_gemm_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [N, K] re-laid out for the decode GEMM ([N/16][K/2][16][2]); None for shapes it cannot take
+        (or without a decode GEMM)."""
         n, k = weight.shape
-        if n % 32 or k % 2:
+        if self.gemm_name is None or n % 32 or k % self._gemm_k_multiple:
             return None
         return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    def small_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows <= SMALL_GEMM_MAX_ROWS, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows <= gemm_max_rows, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
         rows, k = x.shape
-        if not 0 < rows <= SMALL_GEMM_MAX_ROWS:
-            raise ValueError(f"native small_gemm takes 1 to {SMALL_GEMM_MAX_ROWS} rows, got {rows}")
-        _check(x.stride(1) == 1, "small_gemm")
+        if not 0 < rows <= self.gemm_max_rows:
+            raise ValueError(f"native decode GEMM takes 1 to {self.gemm_max_rows} rows, got {rows}")
+        _check(x.stride(1) == 1, "decode GEMM")
         n = packed.shape[0] * 16
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        self._small_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         out.data_ptr(), rows, n, k, torch.get_num_threads())
+        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                   out.data_ptr(), rows, n, k, torch.get_num_threads())
         return out
 
 

@@ -1,4 +1,5 @@
-// y = x W^T (+ bias) for a few rows of x (decode batches), bfloat16, AVX512-BF16.
+// y = x W^T (+ bias) for a few rows of x (decode batches), bfloat16, AVX512-BF16: the decode GEMM of CPUs
+// without AMX (amx_gemm.c takes its place where the CPU has AMX, and is faster there from 1 row).
 //
 // With a handful of rows a Linear is a pass over its weights: memory-bound, and oneDNN's blocked GEMM
 // streams them at ~17 GB/s here. This kernel reads the weights once, in the order they are stored, with the
@@ -12,8 +13,8 @@
 
 #include "bf16_simd.h"
 
-// Past 4 rows the vdpbf16ps work outgrows the weight stream and oneDNN's AMX GEMM wins (measured: decode
-// step at batch 4 23.8 vs 25.1 ms, at batch 8 33 vs 25.5 ms).
+// Past 4 rows the vdpbf16ps work outgrows the weight stream and oneDNN wins (measured on Sapphire Rapids,
+// where oneDNN has AMX: decode step at batch 4 23.8 vs 25.1 ms, at batch 8 33 vs 25.5 ms).
 #define MAX_ROWS 4
 
 int small_gemm_supported(void) {

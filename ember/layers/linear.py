@@ -11,20 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.kernels.native import SMALL_GEMM_MAX_ROWS, NativeKernels
+from ember.kernels.native import NativeKernels
 
 
 class Linear(nn.Linear):
     """nn.Linear plus optional pre-packed copies of the weight that forward uses when present: oneDNN's, and
-    for decode batches of a few rows the native small GEMM's (ember/kernels/small_gemm.c)."""
+    for decode batches the native decode GEMM's (ember/kernels/amx_gemm.c or small_gemm.c)."""
 
     packed_weight: torch.Tensor | None = None
     native: NativeKernels | None = None
-    small_gemm_weight: torch.Tensor | None = None
+    gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_gemm_weight is not None and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS:
-            return self.native.small_gemm(x, self.small_gemm_weight, self.bias)
+        if self.gemm_weight is not None and 0 < x.shape[0] <= self.native.gemm_max_rows:
+            return self.native.gemm(x, self.gemm_weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -37,8 +37,8 @@ def pack_linear_weights(model: nn.Module) -> None:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
 
 
-def pack_small_gemm_weights(model: nn.Module, native: NativeKernels) -> None:
-    """Give every Linear whose shape the native small GEMM takes its re-laid-out weight (after loading)."""
+def pack_gemm_weights(model: nn.Module, native: NativeKernels) -> None:
+    """Give every Linear whose shape the native decode GEMM takes its re-laid-out weight (after loading)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.small_gemm_weight = native.pack_small_gemm_weight(module.weight.detach())
+            module.gemm_weight = native.pack_gemm_weight(module.weight.detach())

@@ -22,13 +22,14 @@ LOGPROB_TOLERANCE = 0.25
 
 
 def greedy(model: Path, kernels: str) -> list:
-    # Three sequences at a time: decode batches take the small-GEMM path, prefill chunks oneDNN.
+    # Three sequences at a time: decode batches of 1-3 rows (and, with AMX, these short prompts) take the
+    # decode GEMM.
     llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False,
               max_num_seqs=3)
     runner = llm.engine.runner
     assert (runner.native is not None) == (kernels == "native")
-    if runner.native is not None and runner.native.has_small_gemm:
-        assert runner.model.lm_head.small_gemm_weight is not None
+    if runner.native is not None and runner.native.gemm_name is not None:
+        assert runner.model.lm_head.gemm_weight is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
     return [result.outputs[0] for result in llm.generate(TEXTS, params)]
 

@@ -1,0 +1,134 @@
+// y = x W^T (+ bias) for the rows of a decode batch, bfloat16, AMX tiles.
+//
+// A decode step's Linear layers are a pass over their weights: memory-bound. oneDNN's AMX GEMM, even on
+// pre-packed weights, streams them at ~17 GB/s here for batches of 8-32 rows, while the machine reads 24.
+// This kernel reads the weights once, in the order they are stored (the same VNNI re-layout as
+// small_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
+// in groups of 32 rows (two A tiles of 16). Products of bfloat16 are exact in float32; the sums' order
+// differs from oneDNN's, so outputs can differ from F.linear's by one bfloat16 ulp.
+#define _GNU_SOURCE  // syscall()
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bf16_simd.h"
+
+#define GROUP_ROWS 32  // rows of x per pass: two A tiles
+#define TILE_ROWS 16
+#define TILE_K 32  // bfloat16 values in a 64-byte tile row
+
+// Linux hands out AMX state only to processes that ask for it (arch_prctl, Linux 5.16+).
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int amx_gemm_supported(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+// Tiles: 0, 1 = x rows [0, 16) and [16, rows); 2, 3 = two blocks of 16 weight rows (outputs);
+// 4, 5 = outputs of x's first row tile for the two blocks; 6, 7 = of its second.
+static void configure_tiles(int rows) {
+    tile_config config;
+    memset(&config, 0, sizeof(config));
+    config.palette_id = 1;
+    const int first = rows < TILE_ROWS ? rows : TILE_ROWS, second = rows - first;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64;
+    config.rows[0] = config.rows[4] = config.rows[5] = first;
+    config.rows[2] = config.rows[3] = TILE_ROWS;  // 16 k-pairs
+    if (second > 0) config.rows[1] = config.rows[6] = config.rows[7] = second;
+    else config.colsb[1] = config.colsb[6] = config.colsb[7] = 0;  // unused tiles stay unconfigured
+    _tile_loadconfig(&config);
+}
+
+// Add the bias, round to bfloat16 and store `count` rows of a 16 x 16 float32 tile spilled to `tile`.
+static void store_rows(const float *tile, int count, const uint16_t *bias, int64_t col, uint16_t *out, int64_t n) {
+    const __m512 b = bias ? load_bf16(bias + col) : _mm512_setzero_ps();
+    for (int m = 0; m < count; m++) store_bf16(out + m * n + col, round_bf16(_mm512_add_ps(_mm512_loadu_ps(tile + 16 * m), b)));
+}
+
+// One group of up to GROUP_ROWS rows of x times a pair of 16-output weight blocks (w0, then w1 = w0 + k * 16),
+// with the tiles configured for `rows` rows.
+static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, const uint16_t *bias, uint16_t *out,
+                       int rows, int64_t n, int64_t k, int64_t col) {
+    const int first = rows < TILE_ROWS ? rows : TILE_ROWS, second = rows - first;
+    const uint16_t *w1 = w0 + k * 16, *x_second = x + TILE_ROWS * x_stride;
+    const int64_t x_bytes = x_stride * 2;
+    float tile[TILE_ROWS * 16] __attribute__((aligned(64)));
+    _tile_zero(4);
+    _tile_zero(5);
+    if (second > 0) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    for (int64_t kk = 0; kk < k; kk += TILE_K) {
+        _tile_loadd(0, x + kk, x_bytes);
+        _tile_loadd(2, w0 + kk * 16, 64);
+        _tile_loadd(3, w1 + kk * 16, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (second > 0) {
+            _tile_loadd(1, x_second + kk, x_bytes);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, tile, 64);
+    store_rows(tile, first, bias, col, out, n);
+    _tile_stored(5, tile, 64);
+    store_rows(tile, first, bias, col + 16, out, n);
+    if (second > 0) {
+        _tile_stored(6, tile, 64);
+        store_rows(tile, second, bias, col, out + TILE_ROWS * n, n);
+        _tile_stored(7, tile, 64);
+        store_rows(tile, second, bias, col + 16, out + TILE_ROWS * n, n);
+    }
+}
+#endif
+
+// x: [rows, k] with row stride x_stride (elements), rows > 0, k a multiple of TILE_K; packed: the weights
+// [n, k] re-laid out as above, n a multiple of 32; bias: [n] or NULL; out: [rows, n].
+// Each thread takes a range of output-block pairs and runs every group of GROUP_ROWS rows over a pair while
+// its weights sit in L1/L2: the weights leave memory once whatever the number of rows. A last partial group
+// needs another tile configuration, so it runs after the full groups, over the same pairs again.
+void amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+              int rows, int64_t n, int64_t k, int num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int full_groups = rows / GROUP_ROWS, tail = rows % GROUP_ROWS;
+    const int64_t pairs = n / 32;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t begin = pairs * thread / threads, end = pairs * (thread + 1) / threads;
+        if (full_groups > 0) {
+            configure_tiles(GROUP_ROWS);  // tile configuration is per thread
+            for (int64_t pair = begin; pair < end; pair++)
+                for (int g = 0; g < full_groups; g++)
+                    gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
+                               out + g * GROUP_ROWS * n, GROUP_ROWS, n, k, pair * 32);
+        }
+        if (tail > 0) {
+            configure_tiles(tail);
+            for (int64_t pair = begin; pair < end; pair++)
+                gemm_group(x + full_groups * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
+                           out + full_groups * GROUP_ROWS * n, tail, n, k, pair * 32);
+        }
+        _tile_release();
+    }
+#endif
+}
