@@ -103,32 +103,35 @@ static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, 
 
 // x: [rows, k] with row stride x_stride (elements), rows > 0, k a multiple of TILE_K; packed: the weights
 // [n, k] re-laid out as above, n a multiple of 32; bias: [n] or NULL; out: [rows, n].
-// Each thread takes a range of output-block pairs and runs every group of GROUP_ROWS rows over a pair while
-// its weights sit in L1/L2: the weights leave memory once whatever the number of rows. A last partial group
-// needs another tile configuration, so it runs after the full groups, over the same pairs again.
-void amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-              int rows, int64_t n, int64_t k, int num_threads) {
+// Each thread of the enclosing parallel region takes a range of output-block pairs and runs every group of
+// GROUP_ROWS rows over a pair while its weights sit in L1/L2: the weights leave memory once whatever the
+// number of rows. A last partial group needs another tile configuration, so it runs after the full groups,
+// over the same pairs again. No barrier at the end: callers inside a region add one (decoder_stack.c).
+static void amx_gemm_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                           uint16_t *out, int rows, int64_t n, int64_t k) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int full_groups = rows / GROUP_ROWS, tail = rows % GROUP_ROWS;
-    const int64_t pairs = n / 32;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-        const int64_t begin = pairs * thread / threads, end = pairs * (thread + 1) / threads;
-        if (full_groups > 0) {
-            configure_tiles(GROUP_ROWS);  // tile configuration is per thread
-            for (int64_t pair = begin; pair < end; pair++)
-                for (int g = 0; g < full_groups; g++)
-                    gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
-                               out + g * GROUP_ROWS * n, GROUP_ROWS, n, k, pair * 32);
-        }
-        if (tail > 0) {
-            configure_tiles(tail);
-            for (int64_t pair = begin; pair < end; pair++)
-                gemm_group(x + full_groups * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
-                           out + full_groups * GROUP_ROWS * n, tail, n, k, pair * 32);
-        }
-        _tile_release();
+    const int64_t pairs = n / 32, thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t begin = pairs * thread / threads, end = pairs * (thread + 1) / threads;
+    if (full_groups > 0) {
+        configure_tiles(GROUP_ROWS);  // tile configuration is per thread
+        for (int64_t pair = begin; pair < end; pair++)
+            for (int g = 0; g < full_groups; g++)
+                gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
+                           out + g * GROUP_ROWS * n, GROUP_ROWS, n, k, pair * 32);
     }
+    if (tail > 0) {
+        configure_tiles(tail);
+        for (int64_t pair = begin; pair < end; pair++)
+            gemm_group(x + full_groups * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
+                       out + full_groups * GROUP_ROWS * n, tail, n, k, pair * 32);
+    }
+    _tile_release();
 #endif
+}
+
+void amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+              int rows, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    amx_gemm_share(x, x_stride, packed, bias, out, rows, n, k);
 }

@@ -51,8 +51,9 @@ def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...]) -> c
     source = SOURCE_DIR / source_name
     flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
     key = hashlib.sha256()
-    headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), _compiler_identity(cc), _cpu_identity()):
+    # Every source of the folder: a kernel includes headers and may include other kernels (decoder_stack.c).
+    sources = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]"))]
+    for part in (source.name.encode(), *sources, " ".join(flags).encode(), _compiler_identity(cc), _cpu_identity()):
         key.update(part)
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():

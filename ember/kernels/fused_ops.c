@@ -5,6 +5,9 @@
 // Every intermediate is rounded to bfloat16 where PyTorch's op sequence rounds it, so results match the
 // PyTorch path bit for bit except where a transcendental (exp in SiLU) or a sum's order differs in the last
 // float32 bit before rounding.
+//
+// Each op's *_rows function shares its rows among the threads of the enclosing OpenMP parallel region (an
+// orphaned `omp for`; decoder_stack.c calls them inside its own region); the exported function opens one.
 #include <math.h>
 #include <stdint.h>
 
@@ -15,10 +18,10 @@
 
 // residual = x + residual (in place; skipped when residual is x itself), out = rms_norm(residual) * weight,
 // as RMSNorm.forward: the norm in float32 rounded once, then the bfloat16 weight multiply rounded again.
-void add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
-                  int64_t width, float eps, int num_threads) {
+static void add_rms_norm_rows(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                              int64_t rows, int64_t width, float eps) {
     const int add = x != residual;
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         uint16_t *res = residual + row * width;
         const uint16_t *in = x + row * width;
@@ -39,10 +42,16 @@ void add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
     }
 }
 
+void add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                  int64_t width, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    add_rms_norm_rows(x, residual, weight, out, rows, width, eps);
+}
+
 // out = silu(gate) * up for gate_up rows [gate (width), up (width)], each product rounded as PyTorch's
 // F.silu(gate) * up rounds it.
-void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+static void silu_and_mul_rows(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         const uint16_t *gate = gate_up + row * 2 * width, *up = gate + width;
         for (int64_t i = 0; i < width; i += 16) {
@@ -54,16 +63,21 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t 
     }
 }
 
+void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    silu_and_mul_rows(gate_up, out, rows, width);
+}
+
 // Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, each product and
 // the sum rounded, as apply_rotary) and writes the row's k and v into its KV-cache slot
 // ([slot, 2 (K, V), num_kv_heads, head_dim]).
-void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed, const int64_t *slots,
-                      uint16_t *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
-                      int num_threads) {
+static void rotary_and_cache_rows(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed,
+                                  const int64_t *slots, uint16_t *cache, int64_t rows, int num_heads,
+                                  int num_kv_heads, int head_dim) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         uint16_t *x = qkv + row * row_width;
         const uint16_t *c = cos + row * head_dim, *s = sin_signed + row * head_dim;
@@ -82,4 +96,12 @@ void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_si
         for (int64_t i = 0; i < 2 * kv_width; i += 16)  // k then v: one contiguous run in qkv and in the slot
             _mm256_storeu_si256((__m256i *)(slot + i), _mm256_loadu_si256((const __m256i *)(k + i)));
     }
+}
+
+void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed, const int64_t *slots,
+                      uint16_t *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                      int num_threads) {
+    const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
+#pragma omp parallel num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+    rotary_and_cache_rows(qkv, cos, sin_signed, slots, cache, rows, num_heads, num_kv_heads, head_dim);
 }

@@ -5,6 +5,7 @@
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers for decode batches (the "decode GEMM"): up to 128 rows with AMX
   tiles where the CPU has them, else up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
+- decoder_stack.c (with AMX): every decoder layer of a decode step in one call, the kernels above back to back.
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +46,8 @@ class NativeKernels:
     CPU supports; `gemm_name` is None (and `gemm_max_rows` 0) when none is."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, decode_gemm: str = "auto") -> None:
-        attention = load_kernel(
-            "paged_decode_attention.c", (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
-        )
+        shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
+        attention = load_kernel("paged_decode_attention.c", shape)
         fused = load_kernel("fused_ops.c", ())
         self._decode = _bind(attention, "paged_decode_attention", _pointer, _int64, _pointer, _pointer, _int64,
                              _pointer, _pointer, _int, _int, _int, _float, _int)
@@ -65,6 +66,11 @@ class NativeKernels:
                 self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
                                    _int64, _int64, _int)
                 break
+        self.has_decoder_stack = self.gemm_name == "amx"
+        if self.has_decoder_stack:
+            stack = load_kernel("decoder_stack.c", shape)
+            self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 13, _int64,
+                                        _pointer, *(_int,) * 6, _float, _float, _int)
 
     def paged_decode_attention(
         self,
@@ -141,6 +147,55 @@ class NativeKernels:
         self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                    out.data_ptr(), rows, n, k, torch.get_num_threads())
         return out
+
+
+    def decoder_stack(
+        self,
+        layers: torch.Tensor,
+        final_norm: torch.Tensor,
+        embeddings: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        shape: DecoderStackShape,
+    ) -> torch.Tensor:
+        """Every decoder layer for one decode step (row i: sequence i's one new token) and the final norm:
+        embeddings [rows, hidden] (overwritten: the residual stream) -> final-normed hidden [rows, hidden].
+        layers: [num_layers, 9] int64 pointers, per layer (decoder_stack.c's layer_tensors): input norm,
+        packed qkv weight, qkv bias or 0, packed o weight, o bias or 0, post-attention norm, packed gate_up,
+        packed down, that layer's KV cache. Writes the step's K/V into the caches, like the op-by-op path."""
+        rows, hidden = embeddings.shape
+        if not 0 < rows <= self.gemm_max_rows:
+            raise ValueError(f"native decoder stack takes 1 to {self.gemm_max_rows} rows, got {rows}")
+        _check(embeddings.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
+               and block_tables.is_contiguous(), "decoder stack")
+        q_width = shape.num_heads * shape.head_dim
+        qkv_width = q_width + 2 * shape.num_kv_heads * shape.head_dim
+        out, h, normed = (torch.empty_like(embeddings) for _ in range(3))
+        qkv, attn, gate_up, act = (
+            embeddings.new_empty(rows, width)
+            for width in (qkv_width, q_width, 2 * shape.intermediate_size, shape.intermediate_size)
+        )
+        self._decoder_stack(layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), embeddings.data_ptr(),
+                            out.data_ptr(), h.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                            gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                            context_lens.data_ptr(), rows, hidden, shape.intermediate_size, shape.num_heads,
+                            shape.num_kv_heads, shape.block_size, shape.eps, shape.head_dim**-0.5,
+                            torch.get_num_threads())
+        return out
+
+
+@dataclass(frozen=True)
+class DecoderStackShape:
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    eps: float
 
 
 def _check(condition: bool, kernel: str) -> None:

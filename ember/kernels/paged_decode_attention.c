@@ -11,6 +11,7 @@
 // an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators. The gather +
 // padded SDPA this replaces copies every key twice before reading it.
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "bf16_simd.h"
@@ -42,16 +43,18 @@ static inline __mmask16 tile_mask(int64_t valid) {
 
 // q: [num_seqs, num_kv_heads * QUERIES_PER_KV, HEAD_DIM] with row stride q_row_stride (elements);
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] (keys each query attends, its own included);
-// out: [num_seqs, num_kv_heads * QUERIES_PER_KV * HEAD_DIM], contiguous.
-void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
-                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                            uint16_t *out, int num_seqs, int num_kv_heads, int block_size, float scale,
-                            int num_threads) {
+// out: [num_seqs, num_kv_heads * QUERIES_PER_KV * HEAD_DIM], contiguous. Shares the tasks among the threads
+// of the enclosing parallel region (decoder_stack.c calls it inside its own); paged_decode_attention opens one.
+static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+                                         const int64_t *block_tables, int64_t max_blocks,
+                                         const int64_t *context_lens, uint16_t *out, int num_seqs,
+                                         int num_kv_heads, int block_size, float scale) {
+    const int num_threads = omp_get_num_threads();
     const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM;
     const int64_t out_row = (int64_t)num_kv_heads * QUERIES_PER_KV * HEAD_DIM;
     const int heads_per_task = num_seqs >= num_threads ? num_kv_heads : 1;
     const int tasks_per_seq = num_kv_heads / heads_per_task;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < num_seqs * tasks_per_seq; task++) {
         const int seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * heads_per_task;
         const int64_t context = context_lens[seq];
@@ -146,4 +149,13 @@ void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint1
         free(query);
         free(running_max);
     }
+}
+
+void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                            uint16_t *out, int num_seqs, int num_kv_heads, int block_size, float scale,
+                            int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_attention_tasks(q, q_row_stride, cache, block_tables, max_blocks, context_lens, out, num_seqs,
+                                 num_kv_heads, block_size, scale);
 }

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError
-from ember.kernels.native import NativeKernels
+from ember.kernels.native import DecoderStackShape, NativeKernels
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.linear import Linear
@@ -93,6 +93,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # With AMX, decode steps run every layer in one native call (decoder_stack.c; the model runner sets it).
+    native: NativeKernels | None = None
+
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
@@ -107,6 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.torch_dtype, device)
         self.device = torch.device(device)
+        self._stack_layers: tuple[int, torch.Tensor | None] | None = None  # (KV cache address, pointer table)
 
     def forward(
         self,
@@ -118,10 +122,46 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions)
         hidden = self.embed_tokens(input_ids)
+        groups = attn_metadata.groups
+        if (self.native is not None and self.native.has_decoder_stack and len(groups) == 1
+                and groups[0].context_lens is not None and hidden.shape[0] <= self.native.gemm_max_rows):
+            layers = self._decoder_stack_layers(kv_caches)
+            if layers is not None:
+                config, group = self.config, groups[0]
+                shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
+                                          config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
+                                          config.rms_norm_eps)
+                return self.native.decoder_stack(
+                    layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
+                    group.block_ids.view(group.num_seqs, -1), group.context_lens, shape,
+                )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata, kv_cache)
         return self.norm(hidden, residual)[0]
+
+    def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        """decoder_stack.c's table of per-layer pointers (built once per KV cache); None when a projection has
+        no packed weight for the decode GEMM (a shape it cannot take)."""
+        if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
+            rows = []
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                if any(p.gemm_weight is None for p in projections):
+                    rows = None
+                    break
+                rows.append([
+                    layer.input_layernorm.weight.data_ptr(),
+                    attn.qkv_proj.gemm_weight.data_ptr(), _address(attn.qkv_proj.bias),
+                    attn.o_proj.gemm_weight.data_ptr(), _address(attn.o_proj.bias),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    mlp.gate_up_proj.gemm_weight.data_ptr(), mlp.down_proj.gemm_weight.data_ptr(),
+                    kv_cache.data_ptr(),
+                ])
+            table = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+            self._stack_layers = (kv_caches[0].data_ptr(), table)
+        return self._stack_layers[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (the matmul runs in the model dtype, as in
@@ -173,3 +213,7 @@ class LlamaForCausalLM(nn.Module):
         still_meta = [name for name, p in self.named_parameters() if p.is_meta]
         if still_meta:
             raise ModelLoadError(f"parameters left unloaded: {', '.join(still_meta[:5])}")
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()

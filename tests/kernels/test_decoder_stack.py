@@ -1,0 +1,59 @@
+"""decoder_stack.c (every layer of a decode step in one native call) against the same native kernels called op
+by op: the same kernels in the same order, so greedy tokens and logprobs must be identical, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.kernels.native import load_native_kernels
+from tests.conftest import build_tiny_model_dir
+
+# head_dim 32 and widths that are whole AMX tiles: the smallest shape the native kernels take.
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def stack_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kernels = load_native_kernels("auto", torch.device("cpu"), torch.bfloat16, (128, 256), 32, 2)
+    if kernels is None or not kernels.has_decoder_stack:
+        pytest.skip("the decoder stack needs the native kernels and AMX")
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-stack"), seed=3, **SHAPE)
+
+
+def generate(model_dir: Path, use_stack: bool, prompts: list[list[int]]) -> tuple[list, int]:
+    llm = LLM(str(model_dir), dtype="bfloat16", kernels="native", num_threads=2, enable_prefix_caching=False,
+              max_num_seqs=len(prompts))
+    model = llm.engine.runner.model
+    calls = 0
+    if use_stack:
+        run_stack = model.native.decoder_stack
+
+        def counted(*args: object) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return run_stack(*args)
+
+        model.native.decoder_stack = counted  # this engine's own kernels object
+    else:
+        model.native = None  # the layers keep their kernels: the op-by-op native path
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outputs = [result.outputs[0] for result in llm.generate(prompts, params)]
+    return outputs, calls
+
+
+@pytest.mark.parametrize("num_prompts", [3, 40])  # 40 rows: a full group of 32 plus a tail of 8
+def test_decoder_stack_matches_op_by_op(stack_model_dir: Path, num_prompts: int) -> None:
+    prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * (i % 5))] for i in range(num_prompts)]
+    reference, _ = generate(stack_model_dir, False, prompts)
+    stacked, calls = generate(stack_model_dir, True, prompts)
+    assert calls >= 11  # every step after the prefill is an all-decode step
+    for expected, got in zip(reference, stacked, strict=True):
+        assert got.token_ids == expected.token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in got.logprobs] == [
+            {t: lp.logprob for t, lp in step.items()} for step in expected.logprobs
+        ]
