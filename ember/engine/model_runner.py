@@ -40,8 +40,6 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model = build_model(config, self.device)
         self.model.load_weights(state_dict)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
-            pack_linear_weights(self.model)
         self.native = load_native_kernels(
             args.kernels, self.device, self.dtype, (config.hidden_size, config.intermediate_size), config.head_dim,
             config.num_attention_heads // config.num_key_value_heads,
@@ -51,6 +49,8 @@ class ModelRunner:
                 module.native = self.native
         if self.native is not None and self.native.gemm_name is not None:
             pack_gemm_weights(self.model, self.native)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
+            pack_linear_weights(self.model)
 
         self.num_blocks = self._num_kv_blocks(args)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:

@@ -1,4 +1,4 @@
-// y = x W^T (+ bias) for a few rows of x (decode batches), bfloat16, AVX512-BF16: the decode GEMM of CPUs
+// y = x W^T (+ bias) for a few rows of x (decode batches), bfloat16, AVX512-BF16: the native GEMM of CPUs
 // without AMX (amx_gemm.c takes its place where the CPU has AMX, and is faster there from 1 row).
 //
 // With a handful of rows a Linear is a pass over its weights: memory-bound, and oneDNN's blocked GEMM

@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """decoder_stack.c's table of per-layer pointers (built once per KV cache); None when a projection has
-        no packed weight for the decode GEMM (a shape it cannot take)."""
+        no packed weight for the native GEMM (a shape it cannot take)."""
         if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
             rows = []
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -22,8 +22,7 @@ LOGPROB_TOLERANCE = 0.25
 
 
 def greedy(model: Path, kernels: str) -> list:
-    # Three sequences at a time: decode batches of 1-3 rows (and, with AMX, these short prompts) take the
-    # decode GEMM.
+    # Three sequences at a time: decode batches of 1-3 rows take the native GEMM (with AMX, every Linear does).
     llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False,
               max_num_seqs=3)
     runner = llm.engine.runner
