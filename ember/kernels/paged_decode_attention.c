@@ -37,6 +37,19 @@ static inline __m512 sum_lanes16(const __m512 *v) {
                          _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The cache rows of positions [start, start + count): one division per tile, not one per row.
+static inline void cache_rows(const uint16_t *cache, const int64_t *table, int block_size, int64_t token_stride,
+                              int64_t start, int64_t count, const uint16_t **rows) {
+    int64_t block = start / block_size, offset = start % block_size;
+    for (int64_t i = 0; i < count; i++) {
+        rows[i] = cache + (table[block] * block_size + offset) * token_stride;
+        if (++offset == block_size) {
+            block++;
+            offset = 0;
+        }
+    }
+}
+
 static inline __mmask16 tile_mask(int64_t valid) {
     return valid >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
 }
@@ -79,16 +92,16 @@ static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride
             const int64_t valid = context - start < TILE ? context - start : TILE;
             const __mmask16 mask = tile_mask(valid);
             const uint16_t *rows[TILE];
-            for (int i = 0; i < valid; i++) {
-                const int64_t pos = start + i;
-                rows[i] = cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-            }
+            cache_rows(cache, table, block_size, token_stride, start, valid, rows);
             // The next tile's rows are scattered over blocks: request them now so that memory latency
             // overlaps this tile's arithmetic (without it, most of the time is spent waiting on loads).
-            for (int64_t pos = start + TILE; pos < start + 2 * TILE && pos < context; pos++) {
-                const char *row = (const char *)(cache + (table[pos / block_size] * block_size + pos % block_size)
-                                                           * token_stride);
-                for (int64_t line = 0; line < token_stride * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+            const int64_t next_valid = context - start - TILE < TILE ? context - start - TILE : TILE;
+            if (next_valid > 0) {
+                const uint16_t *next[TILE];
+                cache_rows(cache, table, block_size, token_stride, start + TILE, next_valid, next);
+                for (int i = 0; i < next_valid; i++)
+                    for (int64_t line = 0; line < token_stride * 2; line += 64)
+                        _mm_prefetch((const char *)next[i] + line, _MM_HINT_T0);
             }
             for (int kv = 0; kv < heads_per_task; kv++) {
                 const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;
