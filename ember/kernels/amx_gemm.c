@@ -1,7 +1,8 @@
-// y = x W^T (+ bias) for the rows of a decode batch, bfloat16, AMX tiles.
+// y = x W^T (+ bias), bfloat16, AMX tiles: every Linear where the CPU has AMX (decode and prefill).
 //
 // A decode step's Linear layers are a pass over their weights: memory-bound. oneDNN's AMX GEMM, even on
-// pre-packed weights, streams them at ~17 GB/s here for batches of 8-32 rows, while the machine reads 24.
+// pre-packed weights, streams them at ~17 GB/s here for batches of 8-32 rows, while the machine reads 24;
+// at prefill sizes both are compute-bound, and in the engine this kernel is still the faster one.
 // This kernel reads the weights once, in the order they are stored (the same VNNI re-layout as
 // small_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
 // in groups of 32 rows (two A tiles of 16). Products of bfloat16 are exact in float32; the sums' order

@@ -17,8 +17,6 @@ typedef struct {
     uint16_t *kv_cache;  // [blocks, block_size, 2, kv_heads, HEAD_DIM]
 } layer_tensors;
 
-int decoder_stack_supported(void) { return amx_gemm_supported(); }
-
 // residual: [rows, hidden] the token embeddings in, the last layer's residual stream out; out: [rows, hidden]
 // the final-normed hidden states. Scratch: h [rows, hidden], normed [rows, hidden], qkv [rows, qkv_width],
 // attn [rows, heads * HEAD_DIM], gate_up [rows, 2 * intermediate], act [rows, intermediate]. cos/sin_signed:

@@ -142,14 +142,14 @@ class NativeKernels:
         """x [rows <= gemm_max_rows, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
         rows, k = x.shape
         if not 0 < rows <= self.gemm_max_rows:
-            raise ValueError(f"native GEMM: {_rows_taken(self.gemm_max_rows)}, got {rows}")
+            taken = "1 row or more" if self.gemm_max_rows == ANY_ROWS else f"1 to {self.gemm_max_rows} rows"
+            raise ValueError(f"native GEMM takes {taken}, got {rows}")
         _check(x.stride(1) == 1, "GEMM")
         n = packed.shape[0] * 16
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                    out.data_ptr(), rows, n, k, torch.get_num_threads())
         return out
-
 
     def decoder_stack(
         self,
@@ -169,8 +169,6 @@ class NativeKernels:
         packed qkv weight, qkv bias or 0, packed o weight, o bias or 0, post-attention norm, packed gate_up,
         packed down, that layer's KV cache. Writes the step's K/V into the caches, like the op-by-op path."""
         rows, hidden = embeddings.shape
-        if not 0 < rows <= self.gemm_max_rows:
-            raise ValueError(f"native decoder stack: {_rows_taken(self.gemm_max_rows)}, got {rows}")
         _check(embeddings.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
                and block_tables.is_contiguous(), "decoder stack")
         q_width = shape.num_heads * shape.head_dim
@@ -198,10 +196,6 @@ class DecoderStackShape:
     head_dim: int
     block_size: int
     eps: float
-
-
-def _rows_taken(max_rows: int) -> str:
-    return "takes 1 row or more" if max_rows == ANY_ROWS else f"takes 1 to {max_rows} rows"
 
 
 def _check(condition: bool, kernel: str) -> None:

@@ -113,8 +113,8 @@ def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, c
                          + [("amx", rows) for rows in (1, 7, 16, 17, 32, 45, 64, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int, with_bias: bool) -> None:
-    native = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm=gemm)
-    if native.gemm_name is None:
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm=gemm)  # `native` only skips CPUs without AVX-512
+    if kernels.gemm_name is None:
         pytest.skip(f"the CPU (or its kernel) lacks {gemm}")
     torch.manual_seed(4 + rows)
     weight = (torch.randn(960, 576) * 0.05).bfloat16()
@@ -122,19 +122,19 @@ def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int,
     wide = torch.randn(rows, 2 * 576).bfloat16()
     x = wide[:, :576]  # rows with a stride of 2 K, as a slice of a wider activation
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    packed = native.pack_gemm_weight(weight)
-    out = native.gemm(x, packed, bias)
+    packed = kernels.pack_gemm_weight(weight)
+    out = kernels.gemm(x, packed, bias)
     # float32 accumulation in another order, then one rounding: within a bfloat16 ulp of the exact result.
     assert (out.float() - expected).abs().max() <= expected.abs().max() * 2**-8 + 1e-3
-    assert torch.equal(native.gemm(x.contiguous(), packed, bias), out)
-    assert native.pack_gemm_weight(torch.zeros(48, 576).bfloat16()) is None  # 48 outputs: not 32-aligned
+    assert torch.equal(kernels.gemm(x.contiguous(), packed, bias), out)
+    assert kernels.pack_gemm_weight(torch.zeros(48, 576).bfloat16()) is None  # 48 outputs: not 32-aligned
     with pytest.raises(ValueError, match="got 0"):
-        native.gemm(x[:0], packed, bias)
+        kernels.gemm(x[:0], packed, bias)
 
 
 def test_amx_gemm_needs_k_in_tiles(native: NativeKernels) -> None:
-    native = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm="amx")
-    if native.gemm_name is None:
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm="amx")
+    if kernels.gemm_name is None:
         pytest.skip("the CPU lacks AMX")
-    assert native.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles
-    assert native.pack_gemm_weight(torch.zeros(64, 64).bfloat16()) is not None
+    assert kernels.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles
+    assert kernels.pack_gemm_weight(torch.zeros(64, 64).bfloat16()) is not None
