@@ -2,6 +2,7 @@
 
 - paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
   single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
+- paged_prefill_attention.c (with AMX): the same for prompt chunks, causal, on AMX tiles.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
@@ -69,6 +70,13 @@ class NativeKernels:
                                    _int64, _int64, _int)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
+        # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
+        self.has_prefill_attention = False
+        if self.gemm_name == "amx":
+            prefill = load_kernel("paged_prefill_attention.c", shape)
+            self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
+            self._prefill = _bind(prefill, "paged_prefill_attention", _pointer, _int64, _pointer, _pointer, _int64,
+                                  _pointer, _pointer, _pointer, _int, _int, _int, _float, _int)
         if self.has_decoder_stack:
             stack = load_kernel("decoder_stack.c", shape)
             self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 13, _int64,
@@ -91,6 +99,28 @@ class NativeKernels:
         self._decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
                      block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), num_seqs, kv_cache.shape[3],
                      kv_cache.shape[1], scale, torch.get_num_threads())
+        return out
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of prompt chunks (needs has_prefill_attention): q [T, heads, D] (any row stride),
+        sequence i's queries being rows [query_starts[i], query_starts[i + 1]) (int64 [B + 1], starting at 0),
+        its last new tokens, already in kv_cache (one layer's [blocks, block_size, 2, kv_heads, D]);
+        block_tables [B, max_blocks] and context_lens [B] (keys per sequence, new ones included), int64
+        -> [T, heads * D]."""
+        num_tokens, num_heads, head_dim = q.shape
+        _check(q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous(), "prefill attention")
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        self._prefill(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                      block_tables.shape[1], query_starts.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+                      context_lens.shape[0], kv_cache.shape[3], kv_cache.shape[1], scale, torch.get_num_threads())
         return out
 
     def add_rms_norm(

@@ -12,7 +12,8 @@ decodes fold the query heads sharing a KV head into the query axis, prefill chun
 mode.
 
 Where ember's native kernels run (ember/kernels/native.py), all single-token queries of a step
-form one group that the kernel answers reading K/V in place: no gather, no padding, no mask."""
+form one group that the kernel answers reading K/V in place: no gather, no padding, no mask. Where they
+include the AMX prefill attention, so do all prompt chunks of a step."""
 
 from __future__ import annotations
 
@@ -50,14 +51,15 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [B * num_blocks] physical blocks to gather, padded with block 0 (masked)
     kv_len: int  # keys attended per sequence after the gather (num_blocks * block_size, or exact for B == 1)
     mask: torch.Tensor | None  # additive [B, 1, query_len, kv_len]; None when every key is visible
-    context_lens: torch.Tensor | None = None  # [B] keys per sequence; set when native decode attention runs
+    context_lens: torch.Tensor | None = None  # [B] keys per sequence; set when a native kernel runs the group
+    query_starts: torch.Tensor | None = None  # [B + 1] the sequences' first rows; set for native prefill
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
-    native: NativeKernels | None = None  # decode groups run its paged decode attention
+    native: NativeKernels | None = None  # runs the groups that have context_lens
 
 
 def build_attention_metadata(
@@ -70,7 +72,8 @@ def build_attention_metadata(
     """Build once per step. `spans` are in flat-batch order. Consecutive single-token spans form decode groups
     and consecutive multi-token spans prefill groups, each gathering at most MAX_GROUP_KV_SLOTS padded K/V
     slots; callers put decodes first, sorted by context length, so a group's sequences pad little. With
-    `native` kernels, consecutive single-token spans form one group whatever their size (nothing is gathered)."""
+    `native` kernels, consecutive single-token spans form one group whatever their size (nothing is gathered),
+    and so do consecutive prompt chunks where `native` has the prefill attention."""
     slots = []
     for span in spans:
         positions = np.arange(span.num_computed_tokens, span.num_computed_tokens + span.num_new_tokens)
@@ -83,16 +86,17 @@ def build_attention_metadata(
     token_start = 0
     while start < len(spans):
         is_decode = spans[start].num_new_tokens == 1
+        in_place = native is not None and (is_decode or native.has_prefill_attention)
         num_blocks = _num_context_blocks(spans[start], block_size)
         end = start + 1
         while end < len(spans) and (spans[end].num_new_tokens == 1) == is_decode:
             widest = max(num_blocks, _num_context_blocks(spans[end], block_size))
-            if (end - start + 1) * widest * block_size > MAX_GROUP_KV_SLOTS and not (is_decode and native):
+            if (end - start + 1) * widest * block_size > MAX_GROUP_KV_SLOTS and not in_place:
                 break
             num_blocks = widest
             end += 1
-        if is_decode and native is not None:
-            group = _build_kernel_decode_group(spans[start:end], token_start, block_size, device)
+        if in_place:
+            group = _build_kernel_group(spans[start:end], token_start, block_size, device, is_decode)
         else:
             group = _build_group(spans[start:end], token_start, block_size, dtype, device)
         groups.append(group)
@@ -114,23 +118,26 @@ def _padded_block_tables(spans: list[SequenceSpan], context_lens: np.ndarray, bl
     return tables
 
 
-def _build_kernel_decode_group(
-    spans: list[SequenceSpan], token_start: int, block_size: int, device: torch.device
+def _build_kernel_group(
+    spans: list[SequenceSpan], token_start: int, block_size: int, device: torch.device, is_decode: bool
 ) -> AttentionGroup:
-    context_lens = np.array([s.num_computed_tokens + 1 for s in spans])
+    query_lens = np.array([s.num_new_tokens for s in spans])
+    context_lens = np.array([s.num_computed_tokens for s in spans]) + query_lens
     block_tables = _padded_block_tables(spans, context_lens, block_size)
     num_blocks = block_tables.shape[1]
+    query_starts = None if is_decode else torch.from_numpy(np.concatenate(([0], np.cumsum(query_lens)))).to(device)
     return AttentionGroup(
         token_start=token_start,
-        token_end=token_start + len(spans),
+        token_end=token_start + int(query_lens.sum()),
         num_seqs=len(spans),
-        query_len=1,
+        query_len=int(query_lens.max()),
         query_index=None,
         output_index=None,
         block_ids=torch.from_numpy(block_tables.reshape(-1)).to(device),
         kv_len=num_blocks * block_size,
         mask=None,
         context_lens=torch.from_numpy(context_lens).to(device),
+        query_starts=query_starts,
     )
 
 
@@ -207,21 +214,23 @@ class PagedAttention(nn.Module):
             kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
                 0, meta.slot_mapping, torch.stack((k, v), dim=1)
             )
-        outputs = [
-            self._attend_group(q, kv_cache, group)
-            if group.context_lens is None
-            else meta.native.paged_decode_attention(
-                q[group.token_start : group.token_end],
-                kv_cache,
-                group.block_ids.view(group.num_seqs, -1),
-                group.context_lens,
-                self.head_dim**-0.5,
-            )
-            for group in meta.groups
-        ]
+        outputs = [self._attend_group(q, kv_cache, group, meta.native) for group in meta.groups]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _attend_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    def _attend_group(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, native: NativeKernels | None
+    ) -> torch.Tensor:
+        if group.context_lens is None:
+            return self._attend_group_sdpa(q, kv_cache, group)
+        q = q[group.token_start : group.token_end]
+        block_tables = group.block_ids.view(group.num_seqs, -1)
+        if group.query_starts is None:
+            return native.paged_decode_attention(q, kv_cache, block_tables, group.context_lens, self.head_dim**-0.5)
+        return native.paged_prefill_attention(
+            q, kv_cache, block_tables, group.query_starts, group.context_lens, self.head_dim**-0.5
+        )
+
+    def _attend_group_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         num_seqs, query_len = group.num_seqs, group.query_len
         kv_heads, head_dim = self.num_kv_heads, self.head_dim
         if group.query_index is None:

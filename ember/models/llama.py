@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         groups = attn_metadata.groups
         if (self.native is not None and self.native.has_decoder_stack and len(groups) == 1
-                and groups[0].context_lens is not None):
+                and groups[0].context_lens is not None and groups[0].query_starts is None):
             layers = self._decoder_stack_layers(kv_caches)
             if layers is not None:
                 config, group = self.config, groups[0]

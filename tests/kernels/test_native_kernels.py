@@ -109,6 +109,48 @@ def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, c
         assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
 
 
+@pytest.mark.parametrize("chunks", [
+    [(0, 2), (0, 17), (5, 40), (33, 16), (100, 37), (0, 200), (190, 64)],  # (tokens cached, new tokens)
+    [(47, 3)],
+])
+def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, chunks: list[tuple[int, int]]) -> None:
+    """Prompt chunks with and without cached context before them, of every length modulo the kernel's
+    16-query and 32-key blocks, with scrambled block tables; each query sees the keys up to its own."""
+    if not native.has_prefill_attention:
+        pytest.skip("the prefill attention needs AMX")
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    blocks_needed = [-(-(cached + new) // BLOCK) for cached, new in chunks]
+    physical = rng.permutation(sum(blocks_needed) + 4)
+    tables, start = [], 0
+    for count in blocks_needed:
+        tables.append(physical[start : start + count].tolist())
+        start += count
+    cache = torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    spans = [SequenceSpan(cached, new, table) for (cached, new), table in zip(chunks, tables, strict=True)]
+    num_tokens = sum(new for _, new in chunks)
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+    meta = build_attention_metadata(spans, BLOCK, torch.bfloat16, CPU, native)
+    assert [group.query_starts is not None for group in meta.groups] == [True]
+    out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q, k, v, cache, meta)  # writes the chunks' K/V first
+
+    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    row = 0
+    for (cached, new), table in zip(chunks, tables, strict=True):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
+        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
+        for position in range(cached, cached + new):
+            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
+            exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
+            # bfloat16 output, and probabilities rounded to bfloat16 before P V (as PyTorch's CPU flash attention).
+            assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-7, (cached, new, position)
+            row += 1
+
+
 @pytest.mark.parametrize(("gemm", "rows"), [("avx512_bf16", rows) for rows in (1, 2, 3, 4)]
                          + [("amx", rows) for rows in (1, 7, 16, 17, 32, 45, 64, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
