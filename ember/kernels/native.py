@@ -6,7 +6,7 @@
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
-- decoder_stack.c (with AMX): every decoder layer of a decode step in one call, the kernels above back to back.
+- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back.
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -18,6 +18,7 @@ import logging
 import platform
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -79,8 +80,9 @@ class NativeKernels:
                                   _pointer, _pointer, _pointer, _int, _int, _int, _float, _int)
         if self.has_decoder_stack:
             stack = load_kernel("decoder_stack.c", shape)
-            self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 13, _int64,
-                                        _pointer, *(_int,) * 6, _float, _float, _int)
+            self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 12, _int,
+                                        _int, _pointer, _int64, _pointer, _int, _pointer, _int64, _pointer,
+                                        _pointer, *(_int,) * 5, _float, _float, _int)
 
     def paged_decode_attention(
         self,
@@ -189,18 +191,20 @@ class NativeKernels:
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
         slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+        decodes: DecodeRows | None,
+        chunks: ChunkRows | None,
         shape: DecoderStackShape,
     ) -> torch.Tensor:
-        """Every decoder layer for one decode step (row i: sequence i's one new token) and the final norm:
-        embeddings [rows, hidden] (overwritten: the residual stream) -> final-normed hidden [rows, hidden].
-        layers: [num_layers, 9] int64 pointers, per layer (decoder_stack.c's layer_tensors): input norm,
-        packed qkv weight, qkv bias or 0, packed o weight, o bias or 0, post-attention norm, packed gate_up,
-        packed down, that layer's KV cache. Writes the step's K/V into the caches, like the op-by-op path."""
+        """Every decoder layer for one step and the final norm: embeddings [rows, hidden] (overwritten: the
+        residual stream) -> final-normed hidden [rows, hidden]. The first rows are `decodes` (one new token
+        per sequence), the rest `chunks` (prompt chunks; needs has_prefill_attention), as the attention
+        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack.c's
+        layer_tensors): input norm, packed qkv weight, qkv bias or 0, packed o weight, o bias or 0,
+        post-attention norm, packed gate_up, packed down, that layer's KV cache. Writes the step's K/V into
+        the caches, like the op-by-op path."""
         rows, hidden = embeddings.shape
         _check(embeddings.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
-               and block_tables.is_contiguous(), "decoder stack")
+               and all(t.is_contiguous() for t in (decodes or ()) + (chunks or ())), "decoder stack")
         q_width = shape.num_heads * shape.head_dim
         qkv_width = q_width + 2 * shape.num_kv_heads * shape.head_dim
         out, h, normed = (torch.empty_like(embeddings) for _ in range(3))
@@ -208,14 +212,34 @@ class NativeKernels:
             embeddings.new_empty(rows, width)
             for width in (qkv_width, q_width, 2 * shape.intermediate_size, shape.intermediate_size)
         )
+        decode_args = (0, 0, 0, 0) if decodes is None else (
+            decodes.context_lens.shape[0], decodes.block_tables.data_ptr(), decodes.block_tables.shape[1],
+            decodes.context_lens.data_ptr())
+        chunk_args = (0, 0, 0, 0, 0) if chunks is None else (
+            chunks.context_lens.shape[0], chunks.block_tables.data_ptr(), chunks.block_tables.shape[1],
+            chunks.query_starts.data_ptr(), chunks.context_lens.data_ptr())
         self._decoder_stack(layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), embeddings.data_ptr(),
                             out.data_ptr(), h.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                             gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-                            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                            context_lens.data_ptr(), rows, hidden, shape.intermediate_size, shape.num_heads,
-                            shape.num_kv_heads, shape.block_size, shape.eps, shape.head_dim**-0.5,
-                            torch.get_num_threads())
+                            slot_mapping.data_ptr(), rows, *decode_args, *chunk_args, hidden,
+                            shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.block_size,
+                            shape.eps, shape.head_dim**-0.5, torch.get_num_threads())
         return out
+
+
+class DecodeRows(NamedTuple):
+    """Single-token sequences as paged_decode_attention takes them (int64): [B, max_blocks], [B]."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+class ChunkRows(NamedTuple):
+    """Prompt chunks as paged_prefill_attention takes them (int64): [B, max_blocks], [B + 1], [B]."""
+
+    block_tables: torch.Tensor
+    query_starts: torch.Tensor
+    context_lens: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError
-from ember.kernels.native import DecoderStackShape, NativeKernels
+from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.linear import Linear
@@ -93,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # With AMX, decode steps run every layer in one native call (decoder_stack.c; the model runner sets it).
+    # With AMX, steps run every layer in one native call (decoder_stack.c; the model runner sets it).
     native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
@@ -122,23 +122,44 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions)
         hidden = self.embed_tokens(input_ids)
-        groups = attn_metadata.groups
-        if (self.native is not None and self.native.has_decoder_stack and len(groups) == 1
-                and groups[0].context_lens is not None and groups[0].query_starts is None):
-            layers = self._decoder_stack_layers(kv_caches)
-            if layers is not None:
-                config, group = self.config, groups[0]
-                shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
-                                          config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
-                                          config.rms_norm_eps)
-                return self.native.decoder_stack(
-                    layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
-                    group.block_ids.view(group.num_seqs, -1), group.context_lens, shape,
-                )
+        if self.native is not None and self.native.has_decoder_stack:
+            stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
+            if stacked is not None:
+                return stacked
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata, kv_cache)
         return self.norm(hidden, residual)[0]
+
+    def _run_decoder_stack(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The step in one native call when every attention group runs a native kernel (one decode group
+        and/or one group of prompt chunks, decodes first); None to run it op by op."""
+        decodes = chunks = None
+        for group in attn_metadata.groups:
+            if group.context_lens is None:
+                return None
+            block_tables = group.block_ids.view(group.num_seqs, -1)
+            if group.query_starts is None and decodes is None and chunks is None:
+                decodes = DecodeRows(block_tables, group.context_lens)
+            elif group.query_starts is not None and chunks is None:
+                chunks = ChunkRows(block_tables, group.query_starts, group.context_lens)
+            else:
+                return None
+        layers = self._decoder_stack_layers(kv_caches)
+        if layers is None:
+            return None
+        config = self.config
+        shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
+                                  config.head_dim, kv_caches[0].shape[1], config.rms_norm_eps)
+        return self.native.decoder_stack(layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
+                                         decodes, chunks, shape)
 
     def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """decoder_stack.c's table of per-layer pointers (built once per KV cache); None when a projection has

@@ -1,5 +1,5 @@
-"""decoder_stack.c (every layer of a decode step in one native call) against the same native kernels called op
-by op: the same kernels in the same order, so greedy tokens and logprobs must be identical, bit for bit."""
+"""decoder_stack.c (every layer of a step in one native call) against the same native kernels called op by op:
+the same kernels in the same order, so greedy tokens and logprobs must be identical, bit for bit."""
 
 from __future__ import annotations
 
@@ -25,11 +25,20 @@ def stack_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-stack"), seed=3, **SHAPE)
 
 
-def generate(model_dir: Path, use_stack: bool, prompts: list[list[int]]) -> tuple[list, int]:
+def generate(model_dir: Path, use_stack: bool, prompts: list[list[int]], step_tokens: int) -> tuple[list, int, int]:
+    """(outputs, decoder stack calls, model steps)."""
     llm = LLM(str(model_dir), dtype="bfloat16", kernels="native", num_threads=2, enable_prefix_caching=False,
-              max_num_seqs=len(prompts))
+              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens)
     model = llm.engine.runner.model
-    calls = 0
+    calls = steps = 0
+    run_model = model.forward
+
+    def counted_step(*args: object) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return run_model(*args)
+
+    model.forward = counted_step
     if use_stack:
         run_stack = model.native.decoder_stack
 
@@ -43,15 +52,17 @@ def generate(model_dir: Path, use_stack: bool, prompts: list[list[int]]) -> tupl
         model.native = None  # the layers keep their kernels: the op-by-op native path
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outputs = [result.outputs[0] for result in llm.generate(prompts, params)]
-    return outputs, calls
+    return outputs, calls, steps
 
 
-@pytest.mark.parametrize("num_prompts", [3, 40])  # 40 rows: a full group of 32 plus a tail of 8
-def test_decoder_stack_matches_op_by_op(stack_model_dir: Path, num_prompts: int) -> None:
+# 3 prompts in one prefill step, then decode steps; 40 prompts (decode batches of a full group of 32 rows plus
+# a tail of 8) through 64-token steps: prompt chunks with cached context before them, decodes and chunks mixed.
+@pytest.mark.parametrize(("num_prompts", "step_tokens"), [(3, 1024), (40, 64)])
+def test_decoder_stack_matches_op_by_op(stack_model_dir: Path, num_prompts: int, step_tokens: int) -> None:
     prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * (i % 5))] for i in range(num_prompts)]
-    reference, _ = generate(stack_model_dir, False, prompts)
-    stacked, calls = generate(stack_model_dir, True, prompts)
-    assert calls >= 11  # every step after the prefill is an all-decode step
+    reference, _, _ = generate(stack_model_dir, False, prompts, step_tokens)
+    stacked, calls, steps = generate(stack_model_dir, True, prompts, step_tokens)
+    assert calls == steps >= 12  # every step, prefill and mixed ones included, ran as one native call
     for expected, got in zip(reference, stacked, strict=True):
         assert got.token_ids == expected.token_ids
         assert [{t: lp.logprob for t, lp in step.items()} for step in got.logprobs] == [
