@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from ember.bench.arrivals import arrival_offsets
@@ -70,24 +70,25 @@ def build_payload(settings: RunSettings, history: list[dict[str, str]], prior_te
     return payload
 
 
-def make_client(settings: RunSettings) -> httpx.AsyncClient:
+def make_client(settings: RunSettings) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    return httpx.AsyncClient(
-        base_url=settings.base_url.rstrip("/"),
+    return aiohttp.ClientSession(
         headers=headers,
-        timeout=httpx.Timeout(settings.request_timeout, connect=min(settings.request_timeout, 30.0)),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        # request_timeout bounds the connect and every wait for more of the response, not the whole stream.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(settings.request_timeout, 30.0),
+                                      sock_read=settings.request_timeout),
+        connector=aiohttp.TCPConnector(limit=0),
         # Benchmarks talk to a known address; proxies from the environment would distort timings.
         trust_env=False,
     )
 
 
 class _Runner:
-    def __init__(self, settings: RunSettings, client: httpx.AsyncClient, progress: tqdm) -> None:
+    def __init__(self, settings: RunSettings, client: aiohttp.ClientSession, progress: tqdm) -> None:
         self.settings = settings
         self.client = client
         self.progress = progress
-        self.url = API_PATHS[settings.api]
+        self.url = settings.base_url.rstrip("/") + API_PATHS[settings.api]
         self.records: list[RequestRecord] = []
         self.in_flight = 0
         self.skipped_turns = 0

@@ -101,7 +101,7 @@ def test_timeouts_are_counted(scripted_server, tiny_model_dir, tmp_path):
     result = _bench(scripted_server.base_url, tiny_model_dir, tmp_path, "--num-prompts", "2",
                     "--input-len", "8", "--output-len", "2", "--request-timeout", "0.5")
     assert result["completed"] == 0 and result["failed"] == 2
-    assert result["errors"] == {"200: timeout (ReadTimeout)": 2}
+    assert result["errors"] == {"200: timeout (SocketTimeoutError)": 2}  # aiohttp's read timeout
 
 
 def test_connection_refused_is_counted_not_raised(tiny_model_dir, tmp_path, capsys):
@@ -112,7 +112,7 @@ def test_connection_refused_is_counted_not_raised(tiny_model_dir, tmp_path, caps
                     "--num-prompts", "3", "--input-len", "8", "--output-len", "2")
     assert result["completed"] == 0 and result["failed"] == 3
     [(message, count)] = result["errors"].items()
-    assert count == 3 and message.startswith("no response: ConnectError")
+    assert count == 3 and message.startswith("no response: ClientConnectorError")
     assert "Failed requests:                         3" in capsys.readouterr().out
 
 
