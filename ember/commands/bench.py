@@ -25,7 +25,8 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
                             "(default: the --model value)")
     group.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     group.add_argument("--request-timeout", type=float, default=600.0,
-                       help="seconds before one request counts as failed with a timeout (default: %(default)s)")
+                       help="seconds to wait for the connection (at most 30) or for more of a response before "
+                            "the request counts as failed with a timeout (default: %(default)s)")
     group.add_argument("--extra-body", default=None,
                        help='JSON object merged into every request body, e.g. \'{"top_k": 1}\'')
 

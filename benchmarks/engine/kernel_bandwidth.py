@@ -1,0 +1,103 @@
+"""Time ember's native decode attention and GEMM kernels alone, over SmolLM2-135M's shapes (30 layers).
+
+    .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
+    .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot]
+
+attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
+blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read. gemm: the 120 Linear layers of the
+30 decoder layers (qkv, o, gate_up, down) on `--rows` rows, in GB/s of weights and TFLOP/s; --hot calls one
+weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate). Best of 10.
+Used for docs/benchmarks.md, "Engine step"."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from ember.kernels.native import NativeKernels
+
+LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
+LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) per decoder layer
+
+
+def best_time(run: Callable[[], None], repetitions: int = 10) -> float:
+    for _ in range(3):
+        run()
+    best = float("inf")
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int) -> None:
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = seqs * blocks_per_seq + 8
+    caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16).unbind(0)
+    ids = list(range(num_blocks))
+    random.Random(0).shuffle(ids)
+    tables = torch.tensor([ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(seqs)])
+    context_lens = torch.full((seqs,), context, dtype=torch.int64)
+    q = torch.randn(seqs, KV_HEADS * QUERIES_PER_KV, HEAD_DIM, dtype=torch.bfloat16)
+
+    def run() -> None:
+        for cache in caches:
+            kernels.paged_decode_attention(q, cache, tables, context_lens, HEAD_DIM**-0.5)
+
+    seconds = best_time(run)
+    kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * 2
+    print(f"decode attention, {seqs} x {context} tokens, {block_size}-token blocks: {seconds * 1e3:.2f} ms "
+          f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
+
+
+def gemm(kernels: NativeKernels, rows: int, hot: bool) -> None:
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
+
+    def report(label: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor]) -> None:
+        def run() -> None:
+            for weight, (_, k) in zip(weights, shapes, strict=True):
+                kernels.gemm(inputs[k], weight, None)
+
+        seconds = best_time(run)
+        weight_bytes = sum(n * k * 2 for n, k in shapes)
+        flops = sum(2 * rows * n * k for n, k in shapes)
+        print(f"GEMM ({kernels.gemm_name}), {rows} rows, {label}: {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
+              f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights, {flops / seconds / 1e12:.2f} TFLOP/s")
+
+    def pack(n: int, k: int) -> torch.Tensor:
+        return kernels.pack_gemm_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.02)
+
+    if hot:  # per shape: one weight, called LAYERS times
+        for n, k in LINEAR_SHAPES:
+            report(f"one hot {n} x {k} weight", [(n, k)] * LAYERS, [pack(n, k)] * LAYERS)
+    else:
+        shapes = LINEAR_SHAPES * LAYERS
+        report("cold weights of 30 layers", shapes, [pack(n, k) for n, k in shapes])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=("attention", "gemm"))
+    parser.add_argument("--seqs", type=int, default=32, help="attention: sequences")
+    parser.add_argument("--context", type=int, default=220, help="attention: tokens per sequence")
+    parser.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block")
+    parser.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
+    parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
+    args = parser.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV)
+    if args.kernel == "attention":
+        attention(kernels, args.seqs, args.context, args.block_size)
+    else:
+        gemm(kernels, args.rows, args.hot)
+
+
+if __name__ == "__main__":
+    main()
