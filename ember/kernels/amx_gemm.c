@@ -11,10 +11,10 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx_tiles.h"
 #include "bf16_simd.h"
 
 // How far ahead of the B tiles being multiplied their stream is requested into L2 (bytes). Spread over the
@@ -37,20 +37,10 @@ int amx_gemm_supported(void) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config;
-
 // Tiles: 0, 1 = x rows [0, 16) and [16, rows); 2, 3 = two blocks of 16 weight rows (outputs);
 // 4, 5 = outputs of x's first row tile for the two blocks; 6, 7 = of its second.
 static void configure_tiles(int rows) {
-    tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette_id = 1;
+    tile_config config = empty_tile_config();
     const int first = rows < TILE_ROWS ? rows : TILE_ROWS, second = rows - first;
     for (int t = 0; t < 8; t++) config.colsb[t] = 64;
     config.rows[0] = config.rows[4] = config.rows[5] = first;

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "bf16_simd.h"
 
 #define QUERY_BLOCK 16   // query rows of a task: one A tile's rows
@@ -28,18 +29,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // Tiles: 0 = Q's dimensions of one half; 2 = a K^T tile; 3, 4 = S for keys [0, 16) and [16, 32) of the
 // block; 5 = P; 6 = a V tile; 7 = P V for one 16-dimension chunk (1 unused). All 16 rows x 64 bytes.
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) prefill_tile_config;
-
 static void configure_prefill_tiles(void) {
-    prefill_tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette_id = 1;
+    tile_config config = empty_tile_config();
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;

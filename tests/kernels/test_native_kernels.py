@@ -26,6 +26,28 @@ def native() -> NativeKernels:
     return kernels
 
 
+def scrambled_paged_cache(lengths: list[int], seed: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and a random cache."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    blocks_needed = [-(-n // BLOCK) for n in lengths]
+    physical = rng.permutation(sum(blocks_needed) + 4)
+    tables, start = [], 0
+    for count in blocks_needed:
+        tables.append(physical[start : start + count].tolist())
+        start += count
+    return tables, torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+
+
+def random_qkv(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, heads, D], k and v [T, kv_heads, D]: strided views of one qkv row, as in the model."""
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+    return q, k, v
+
+
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bfloat16 units in the last place (same-sign values)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -79,20 +101,9 @@ def test_rotary_and_cache_is_bit_exact(native: NativeKernels) -> None:
 @pytest.mark.parametrize("context_lens", [[1, 15, 16, 17, 200, 333], [1], [40]])
 def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, context_lens: list[int]) -> None:
     """Scrambled block tables, contexts ending anywhere in a block; one sequence (split by KV head) too."""
-    rng = np.random.default_rng(3)
-    torch.manual_seed(3)
-    blocks_needed = [-(-n // BLOCK) for n in context_lens]
-    physical = rng.permutation(sum(blocks_needed) + 4)
-    tables, start = [], 0
-    for count in blocks_needed:
-        tables.append(physical[start : start + count].tolist())
-        start += count
-    cache = torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    tables, cache = scrambled_paged_cache(context_lens, seed=3)
     spans = [SequenceSpan(n - 1, 1, table) for n, table in zip(context_lens, tables, strict=True)]
-    qkv = torch.randn(len(spans), (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
-    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)  # a strided view, as in the model
-    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
-    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+    q, k, v = random_qkv(len(spans))
     attention = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)
     meta = build_attention_metadata(spans, BLOCK, torch.bfloat16, CPU, native)
     assert [group.context_lens is not None for group in meta.groups] == [True]
@@ -118,21 +129,9 @@ def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, 
     16-query and 32-key blocks, with scrambled block tables; each query sees the keys up to its own."""
     if not native.has_prefill_attention:
         pytest.skip("the prefill attention needs AMX")
-    rng = np.random.default_rng(5)
-    torch.manual_seed(5)
-    blocks_needed = [-(-(cached + new) // BLOCK) for cached, new in chunks]
-    physical = rng.permutation(sum(blocks_needed) + 4)
-    tables, start = [], 0
-    for count in blocks_needed:
-        tables.append(physical[start : start + count].tolist())
-        start += count
-    cache = torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    tables, cache = scrambled_paged_cache([cached + new for cached, new in chunks], seed=5)
     spans = [SequenceSpan(cached, new, table) for (cached, new), table in zip(chunks, tables, strict=True)]
-    num_tokens = sum(new for _, new in chunks)
-    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
-    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
-    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
-    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+    q, k, v = random_qkv(sum(new for _, new in chunks))
     meta = build_attention_metadata(spans, BLOCK, torch.bfloat16, CPU, native)
     assert [group.query_starts is not None for group in meta.groups] == [True]
     out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q, k, v, cache, meta)  # writes the chunks' K/V first
