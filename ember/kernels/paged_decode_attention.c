@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "bf16_simd.h"
+#include "paged_cache.h"
 
 #define CHUNKS (HEAD_DIM / 16)
 #define TILE 16
@@ -35,19 +36,6 @@ static inline __m512 sum_lanes16(const __m512 *v) {
             _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// The cache rows of positions [start, start + count): one division per tile, not one per row.
-static inline void cache_rows(const uint16_t *cache, const int64_t *table, int block_size, int64_t token_stride,
-                              int64_t start, int64_t count, const uint16_t **rows) {
-    int64_t block = start / block_size, offset = start % block_size;
-    for (int64_t i = 0; i < count; i++) {
-        rows[i] = cache + (table[block] * block_size + offset) * token_stride;
-        if (++offset == block_size) {
-            block++;
-            offset = 0;
-        }
-    }
 }
 
 static inline __mmask16 tile_mask(int64_t valid) {

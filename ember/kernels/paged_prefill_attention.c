@@ -14,12 +14,12 @@
 // row's own position), P rounded to bfloat16 (as PyTorch's CPU flash attention does) and P V on tiles,
 // added into float32 accumulators rescaled by the softmax correction.
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
 #include "bf16_simd.h"
+#include "paged_cache.h"
 
 #define QUERY_BLOCK 16   // query rows of a task: one A tile's rows
 #define KEY_BLOCK 32     // keys per step: one A tile's columns of P
@@ -126,10 +126,7 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
         for (int64_t key_start = 0; key_start < num_keys; key_start += KEY_BLOCK) {
             const int key_count = num_keys - key_start < KEY_BLOCK ? (int)(num_keys - key_start) : KEY_BLOCK;
             const uint16_t *rows[KEY_BLOCK];
-            for (int i = 0; i < key_count; i++) {
-                const int64_t position = key_start + i;
-                rows[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
-            }
+            cache_rows(cache, table, block_size, token_stride, key_start, key_count, rows);
             // K^T tiles: row d of a tile = the d-th pair of dimensions of 16 keys (32-bit pairs, transposed).
             for (int sub = 0; sub < 2; sub++)
                 for (int h = 0; h < HALVES; h++) {

@@ -110,7 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.torch_dtype, device)
         self.device = torch.device(device)
-        self._stack_layers: tuple[int, torch.Tensor | None] | None = None  # (KV cache address, pointer table)
+        # (KV cache address, decoder_stack's pointer table and shape, or None where it cannot run)
+        self._stack_layers: tuple[int, tuple[torch.Tensor, DecoderStackShape] | None] | None = None
 
     def forward(
         self,
@@ -152,18 +153,16 @@ class LlamaForCausalLM(nn.Module):
                 chunks = ChunkRows(block_tables, group.query_starts, group.context_lens)
             else:
                 return None
-        layers = self._decoder_stack_layers(kv_caches)
-        if layers is None:
+        stack = self._decoder_stack_layers(kv_caches)
+        if stack is None:
             return None
-        config = self.config
-        shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
-                                  config.head_dim, kv_caches[0].shape[1], config.rms_norm_eps)
+        layers, shape = stack
         return self.native.decoder_stack(layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
                                          decodes, chunks, shape)
 
-    def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-        """decoder_stack.c's table of per-layer pointers (built once per KV cache); None when a projection has
-        no packed weight for the native GEMM (a shape it cannot take)."""
+    def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, DecoderStackShape] | None:
+        """decoder_stack.c's table of per-layer pointers and the model's shape (built once per KV cache); None
+        when a projection has no packed weight for the native GEMM (a shape it cannot take)."""
         if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
             rows = []
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -180,8 +179,12 @@ class LlamaForCausalLM(nn.Module):
                     mlp.gate_up_proj.gemm_weight.data_ptr(), mlp.down_proj.gemm_weight.data_ptr(),
                     kv_cache.data_ptr(),
                 ])
-            table = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-            self._stack_layers = (kv_caches[0].data_ptr(), table)
+            config = self.config
+            shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
+                                      config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
+                                      config.rms_norm_eps)
+            stack = None if rows is None else (torch.tensor(rows, dtype=torch.int64), shape)
+            self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
