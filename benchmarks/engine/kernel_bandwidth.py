@@ -1,10 +1,12 @@
 """Time ember's native decode attention and GEMM kernels alone, over SmolLM2-135M's shapes (30 layers).
 
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
+        [--queries N]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot]
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
-blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read. gemm: the 120 Linear layers of the
+blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
+kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens). gemm: the 120 Linear layers of the
 30 decoder layers (qkv, o, gate_up, down) on `--rows` rows, in GB/s of weights and TFLOP/s; --hot calls one
 weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate). Best of 10.
 Used for docs/benchmarks.md, "Engine step"."""
@@ -35,7 +37,7 @@ def best_time(run: Callable[[], None], repetitions: int = 10) -> float:
     return best
 
 
-def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int) -> None:
+def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, queries: int) -> None:
     blocks_per_seq = -(-context // block_size)
     num_blocks = seqs * blocks_per_seq + 8
     caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16).unbind(0)
@@ -43,15 +45,20 @@ def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int) 
     random.Random(0).shuffle(ids)
     tables = torch.tensor([ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(seqs)])
     context_lens = torch.full((seqs,), context, dtype=torch.int64)
-    q = torch.randn(seqs, KV_HEADS * QUERIES_PER_KV, HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.randn(seqs * queries, KV_HEADS * QUERIES_PER_KV, HEAD_DIM, dtype=torch.bfloat16)
+    query_starts = torch.arange(0, seqs * queries + 1, queries, dtype=torch.int64)
 
     def run() -> None:
         for cache in caches:
-            kernels.paged_decode_attention(q, cache, tables, context_lens, HEAD_DIM**-0.5)
+            if queries == 1:
+                kernels.paged_decode_attention(q, cache, tables, context_lens, HEAD_DIM**-0.5)
+            else:
+                kernels.paged_prefill_attention(q, cache, tables, query_starts, context_lens, HEAD_DIM**-0.5)
 
     seconds = best_time(run)
     kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * 2
-    print(f"decode attention, {seqs} x {context} tokens, {block_size}-token blocks: {seconds * 1e3:.2f} ms "
+    kind = "decode attention" if queries == 1 else f"prompt-chunk attention ({queries} queries per sequence)"
+    print(f"{kind}, {seqs} x {context} tokens, {block_size}-token blocks: {seconds * 1e3:.2f} ms "
           f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
 
 
@@ -86,6 +93,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32, help="attention: sequences")
     parser.add_argument("--context", type=int, default=220, help="attention: tokens per sequence")
     parser.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block")
+    parser.add_argument("--queries", type=int, default=1, help="attention: queries per sequence")
     parser.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
     parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
@@ -94,7 +102,7 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
     kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV)
     if args.kernel == "attention":
-        attention(kernels, args.seqs, args.context, args.block_size)
+        attention(kernels, args.seqs, args.context, args.block_size, args.queries)
     else:
         gemm(kernels, args.rows, args.hot)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from ember.errors import EmberError
 from ember.kernels.native import KERNEL_CHOICES
@@ -17,6 +19,62 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # machine (docs/benchmarks.md): at 8 concurrent streams, 256 halves the median TTFT against 1024 at equal
 # output tok/s, while pure prefill runs ~25% slower.
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config for its "ngram" method (prompt lookup; ember/engine/ngram_proposer.py).
+
+    Either lookup bound alone sets both; neither gives vLLM's default of 5."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise EmberError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        if lookup_min is None:
+            lookup_min = 5 if lookup_max is None else lookup_max
+        if lookup_max is None:
+            lookup_max = lookup_min
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EmberError(f"speculative_config.{name} must be an integer of at least 1, got {value!r}")
+        if lookup_min > lookup_max:
+            raise EmberError(f"speculative_config.prompt_lookup_min ({lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict (the offline API) or a JSON object (the CLI); None and {} turn speculation off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise EmberError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise EmberError(f"speculative_config must be a JSON object, got {value!r}")
+        if not value:
+            return None
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise EmberError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise EmberError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
 
 
 @dataclass
@@ -33,8 +91,11 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads; default: os.cpu_count()
     kernels: str = "auto"  # auto: ember's native CPU kernels where they can run, else torch ops
     seed: int = 0
+    # Speculative decoding; a dict or JSON object is turned into a SpeculativeConfig. None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in DTYPE_CHOICES:
             raise EmberError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
@@ -94,6 +155,13 @@ class EngineArgs:
                                 "(default)")
         group.add_argument("--seed", type=int, default=defaults.seed,
                            help="seed of the global sampling generator (default: %(default)s)")
+        group.add_argument("--speculative-config", default=None, metavar="JSON",
+                           help="speculative decoding, as vLLM's flag: a JSON object such as "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                '"prompt_lookup_min": 2}\'. ngram drafts the tokens that followed the latest '
+                                "earlier occurrence of the sequence's last n tokens, and one step verifies them "
+                                "all; outputs are those of plain decoding (same distribution when sampling). "
+                                "Requests with penalties decode without drafts. Default: off")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

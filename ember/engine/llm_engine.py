@@ -17,7 +17,15 @@ from ember.engine.args import EngineArgs
 from ember.engine.block_manager import BlockManager
 from ember.engine.detokenizer import IncrementalDetokenizer, decode_token
 from ember.engine.model_runner import ModelRunner
-from ember.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from ember.engine.ngram_proposer import NgramProposer
+from ember.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeStats,
+)
 from ember.engine.sampler import SampledToken
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
@@ -95,6 +103,13 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
+        spec = args.speculative_config
+        self.proposer = None
+        self.spec_stats = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
+            self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * spec.num_speculative_tokens)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -207,6 +222,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one batched forward + sampling, and return the outputs of every request that
         produced a token or finished in this step."""
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
@@ -218,18 +235,27 @@ class LLMEngine:
         block_manager = self.block_manager
         touched: dict[str, _Request] = {}
         requests = self.requests
-        for item, token in zip(scheduler_output.scheduled, sampled, strict=True):
+        for item, tokens in zip(scheduler_output.scheduled, sampled, strict=True):
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            num_drafts = len(item.draft_token_ids)
+            seq.num_computed_tokens += item.num_new_tokens - num_drafts
             block_manager.commit_full_blocks(seq)
             request = requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            if token is None:
+            if tokens is None:
                 continue
             if seq.num_forks:
                 self._fork(request, seq)
-            self._append_token(request, seq, token, now)
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(tokens) - 1)
+            for index, token in enumerate(tokens):
+                if index:  # the token before was an accepted draft, whose K/V this step wrote
+                    seq.num_computed_tokens += 1
+                    block_manager.commit_full_blocks(seq)
+                self._append_token(request, seq, token, now)
+                if seq.is_finished:
+                    break
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():
@@ -238,6 +264,16 @@ class LLMEngine:
             if request.finished or request.params.output_kind != "final":
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each running decode its draft tokens for this step (none where it cannot speculate)."""
+        propose = self.proposer.propose
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and _can_speculate(seq):
+                # The last token the sequence may still emit is never a draft: it is sampled.
+                seq.draft_token_ids = propose(seq.token_ids, seq.max_tokens - seq.num_output_tokens - 1)
+            else:
+                seq.draft_token_ids = []
 
     def _fail_batch(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.exception("engine step failed; failing the %d scheduled sequences' requests",
@@ -374,6 +410,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_requests_finished=dict(self._finished_by_reason),
+            spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
 
     def live_sequences(self) -> list[Sequence]:
@@ -389,3 +426,10 @@ class LLMEngine:
             assert not seq.block_table, f"waiting {seq!r} holds blocks"
         if not self.requests:
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "blocks leaked"
+
+
+def _can_speculate(seq: Sequence) -> bool:
+    """Drafted rows are sampled without the tokens before them: no penalties, no pending min_tokens."""
+    params = seq.params
+    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and seq.num_output_tokens >= params.min_tokens)

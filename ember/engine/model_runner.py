@@ -82,9 +82,10 @@ class ModelRunner:
         return max(1, min(needed, budget))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
+    def execute(self, out: SchedulerOutput) -> list[list[SampledToken] | None]:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
-        sequence. The result is aligned with out.scheduled (None where nothing is sampled)."""
+        sequence. The result is aligned with out.scheduled: the tokens each sequence gains (its accepted
+        draft tokens, then one sampled token), None where nothing is sampled."""
         scheduled = out.scheduled
         # Single-token (decode) rows first, by context length, so each attention group pads its sequences'
         # K/V to similar lengths; prefill chunks after them in the scheduler's order.
@@ -98,11 +99,14 @@ class ModelRunner:
             item = scheduled[i]
             seq = item.seq
             start, count = seq.num_computed_tokens, item.num_new_tokens
-            input_ids += seq.token_ids[start : start + count]
+            draft = item.draft_token_ids
+            input_ids += seq.token_ids[start : start + count - len(draft)]
+            input_ids += draft
             positions.append(np.arange(start, start + count))
             spans.append(SequenceSpan(start, count, seq.block_table))
             if item.sample:
-                sample_rows.append(len(input_ids) - 1)
+                # A decode with drafts needs the logits after its token and after each draft token.
+                sample_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sampled_seqs.append(i)
         meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device, self.native)
         hidden = self.model(
@@ -111,13 +115,15 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        results: list[SampledToken | None] = [None] * len(scheduled)
+        results: list[list[SampledToken] | None] = [None] * len(scheduled)
         if not sample_rows:
             return results
         if len(sample_rows) < hidden.shape[0]:  # all-decode steps sample every row
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [scheduled[i].seq for i in sampled_seqs])
+        # The sampler upcasts to float32 itself where it needs more than each row's argmax.
+        logits = self.model.compute_logits(hidden, upcast=False)
+        tokens = self.sampler(logits, [scheduled[i].seq for i in sampled_seqs],
+                              [scheduled[i].draft_token_ids for i in sampled_seqs])
         for i, token in zip(sampled_seqs, tokens, strict=True):
             results[i] = token
         return results

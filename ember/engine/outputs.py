@@ -52,6 +52,27 @@ class RequestOutput:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding totals, as vLLM's spec_decode_* counters."""
+
+    num_drafts: int = 0  # decodes that carried draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position k
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -64,3 +85,4 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off

@@ -1,5 +1,6 @@
 """Turns each sampled row's logits into the next token: min_tokens, penalties, temperature, top-k/top-p/min-p,
-then a draw from the sequence's own generator (seeded requests) or the runner's generator.
+then a draw from the sequence's own generator (seeded requests) or the runner's generator. A decode with
+speculative draft tokens has one row per position and is verified here (accept a run of drafts, then draw).
 
 Work a batch does not need is skipped: an all-greedy batch without penalties is one argmax. Logprobs are
 those of the raw model logits (before penalties and temperature), like vLLM's default."""
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
 
 
@@ -30,32 +32,56 @@ class Sampler:
         # Draws for requests without a seed: one generator per runner, so a run is reproducible from args.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """logits: float32 [N, V], row i belongs to seqs[i] (whose token_ids hold prompt + output so far)."""
-        raw = logits
-        logits = self._apply_min_tokens(logits, seqs)
-        logits = self._apply_penalties(logits, seqs)
-        token_ids = self._choose(logits, seqs, _argmax(logits))
-        sampled = [SampledToken(token_id, None, None, None) for token_id in token_ids.tolist()]
-        # The log-normalizer over the whole vocabulary is the sampler's dearest step: only for rows that ask.
-        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if logprob_rows:
-            for row, token in zip(logprob_rows, self._logprobs(raw, token_ids, seqs, logprob_rows), strict=True):
-                sampled[row] = token
-        return sampled
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 drafts: list[list[int]] | None = None) -> list[list[SampledToken]]:
+        """logits: [R, V] (float32, or the model dtype: upcast here unless only argmaxes are needed). seqs[i] (whose token_ids hold prompt + output so far) owns 1 + len(drafts[i])
+        consecutive rows: the logits after its last token, then after each of its draft tokens.
 
-    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
-                  rows: list[int]) -> list[SampledToken]:
-        """The chosen token's logprob and rank and the top logprobs, under the raw logits, for `rows`."""
-        if len(rows) < len(seqs):
-            raw, token_ids = raw[rows], token_ids[rows]
+        Returns each sequence's new tokens: the draft tokens it accepts, then one token of its own, drawn at
+        the first rejected position (or after the last draft). Greedy rows accept a draft token that is the
+        argmax; sampled rows accept it with its probability and draw a rejection from the rest, which keeps
+        the output distribution exactly that of plain decoding (speculative sampling with a one-token
+        proposal). Rows with drafts must not have penalties or pending min_tokens: those depend on the
+        tokens before each row, which the engine leaves to draft-free decoding."""
+        drafts = drafts or [[] for _ in seqs]
+        starts, row_seqs = [], []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            starts.append(len(row_seqs))
+            row_seqs += [seq] * (1 + len(draft))
+        if logits.dtype != torch.float32 and not all(_argmax_only(seq) for seq in seqs):
+            logits = logits.float()
+        raw = logits
+        logits = self._apply_min_tokens(logits, row_seqs)
+        logits = self._apply_penalties(logits, row_seqs)
+        ids = _argmax(logits).tolist()
+        accepted = [_matching_prefix(draft, ids, start) if draft and seq.params.temperature == 0.0 else 0
+                    for seq, draft, start in zip(seqs, drafts, starts, strict=True)]
+        random_seqs = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0.0]
+        if random_seqs:
+            self._sample(logits, seqs, drafts, starts, random_seqs, accepted, ids)
+        out = []
+        for draft, start, count in zip(drafts, starts, accepted, strict=True):
+            out.append([SampledToken(token_id, None, None, None) for token_id in draft[:count]]
+                       + [SampledToken(ids[start + count], None, None, None)])
+        # The log-normalizer over the whole vocabulary is the sampler's dearest step: only for rows that ask.
+        wanting = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if wanting:
+            rows = [starts[i] + j for i in wanting for j in range(len(out[i]))]
+            chosen = [token.token_id for i in wanting for token in out[i]]
+            wanted = [seqs[i].params.logprobs or 0 for i in wanting for _ in out[i]]
+            with_logprobs = iter(self._logprobs(raw[rows], torch.tensor(chosen, device=self.device), wanted))
+            for i in wanting:
+                out[i] = [next(with_logprobs) for _ in out[i]]
+        return out
+
+    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[int]) -> list[SampledToken]:
+        """Each row's chosen token's logprob and rank and its top `wanted` logprobs, under the raw logits."""
         log_norm = torch.logsumexp(raw, dim=-1)
         chosen_raw = raw.gather(1, token_ids[:, None])
         logprobs = (chosen_raw[:, 0] - log_norm).tolist()
         ranks = ((raw > chosen_raw).sum(dim=-1) + 1).tolist()
-        wanted = [seqs[row].params.logprobs or 0 for row in rows]
         k = min(max(wanted), raw.shape[1])
-        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        top: list[list[tuple[int, float]]] = [[] for _ in wanted]
         if k:
             values, indices = raw.topk(k, dim=-1)
             values_list = (values - log_norm[:, None]).tolist()
@@ -118,13 +144,46 @@ class Sampler:
     def _param_column(self, seqs: list[Sequence], rows: list[int], name: str) -> torch.Tensor:
         return torch.tensor([[getattr(seqs[row].params, name)] for row in rows], device=self.device)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids holds each row's argmax; rows with a temperature get a random draw instead."""
-        random_rows = [row for row, seq in enumerate(seqs) if seq.params.temperature != 0.0]
-        if not random_rows:
-            return token_ids
-        params = [seqs[row].params for row in random_rows]
-        logits = logits[random_rows]
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
+                random_seqs: list[int], accepted: list[int], ids: list[int]) -> None:
+        """For the sequences with a temperature: set accepted[i] and ids[starts[i] + accepted[i]], the token
+        drawn after the accepted drafts."""
+        rows, row_params, first = [], [], []
+        for i in random_seqs:
+            first.append(len(rows))
+            rows += range(starts[i], starts[i] + 1 + len(drafts[i]))
+            row_params += [seqs[i].params] * (1 + len(drafts[i]))
+        probs = self._probs(logits[rows] if len(rows) < logits.shape[0] else logits, row_params)
+        with_drafts = [k for k, i in enumerate(random_seqs) if drafts[i]]
+        if with_drafts:
+            draft_rows = [first[k] + j for k in with_drafts for j in range(len(drafts[random_seqs[k]]))]
+            draft_ids = [token for k in with_drafts for token in drafts[random_seqs[k]]]
+            draft_probs = iter(probs[draft_rows, draft_ids].tolist())
+            for k in with_drafts:
+                i = random_seqs[k]
+                uniforms = self._uniforms(seqs[i], len(drafts[i]))
+                probs_i = [next(draft_probs) for _ in drafts[i]]
+                count = 0
+                while count < len(probs_i) and uniforms[count] < probs_i[count]:
+                    count += 1
+                accepted[i] = count
+        final = probs[[first[k] + accepted[i] for k, i in enumerate(random_seqs)]]
+        rejected = [(k, drafts[i][accepted[i]]) for k, i in enumerate(random_seqs) if accepted[i] < len(drafts[i])]
+        if rejected:
+            # After a rejected draft token, draw from the residual max(p - q, 0) with q the one-token
+            # proposal: p without the draft token (renormalizing is unnecessary for the race below).
+            reject_rows, reject_ids = (list(column) for column in zip(*rejected, strict=True))
+            final[reject_rows, reject_ids] = 0.0
+        chosen = self._race(final, [seqs[i] for i in random_seqs]).tolist()
+        for k, i in enumerate(random_seqs):
+            ids[starts[i] + accepted[i]] = chosen[k]
+
+    def _uniforms(self, seq: Sequence, count: int) -> list[float]:
+        generator = seq.generator if seq.generator is not None else self.generator
+        return torch.rand(count, generator=generator, device=generator.device).tolist()
+
+    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, softmax, top-p, min-p: the distribution each row samples from."""
         logits = logits / torch.tensor([[p.temperature] for p in params], device=self.device)
         if any(p.top_k for p in params):
             logits = _apply_top_k(logits, [p.top_k for p in params])
@@ -136,26 +195,30 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([[p.min_p] for p in params], device=self.device)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (renormalization is unnecessary).
-        # Each seeded row draws its noise from its own generator, so its samples do not depend on the batch.
+        return probs
+
+    def _race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw from each row of probs (unnormalized) for seqs[row].
+
+        Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (renormalization is unnecessary).
+        Each seeded row draws its noise from its own generator, so its samples do not depend on the batch."""
         noise = torch.empty_like(probs)
         unseeded = []
-        for i, row in enumerate(random_rows):
-            generator = seqs[row].generator
+        for row, seq in enumerate(seqs):
+            generator = seq.generator
             if generator is None:
-                unseeded.append(i)
+                unseeded.append(row)
             else:
-                noise[i] = torch.empty(probs.shape[1], device=generator.device).exponential_(generator=generator)
+                noise[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(generator=generator)
         if unseeded:
-            if len(unseeded) == len(random_rows):
+            if len(unseeded) == len(seqs):
                 noise.exponential_(generator=self.generator)
             else:
                 noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device).exponential_(
                     generator=self.generator
                 )
         # A zero draw means "arrives first"; keep it finite so a zero probability never wins by 0 / 0.
-        token_ids[random_rows] = _argmax(probs / noise.clamp_(min=1e-30))
-        return token_ids
+        return _argmax(probs / noise.clamp_(min=1e-30))
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -180,3 +243,22 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, the first one on ties, like argmax: max(dim).indices is the same
     reduction ~2.5x faster on CPU (0.44 vs 1.15 ms for [32, 49152] float32, 2 threads)."""
     return rows.max(dim=-1).indices
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """Whether the sequence's next token is the argmax of the raw logits and nothing else is read of them
+    (the argmax of bfloat16 logits is that of their exact float32 upcast)."""
+    params = seq.params
+    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and (not params.min_tokens or seq.num_output_tokens >= params.min_tokens))
+
+
+def _matching_prefix(draft: list[int], ids: list[int], start: int) -> int:
+    """How many leading draft tokens equal ids[start:], the greedy choices after each of them."""
+    count = 0
+    for token in draft:
+        if ids[start + count] != token:
+            break
+        count += 1
+    return count

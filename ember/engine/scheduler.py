@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import insort
 from dataclasses import dataclass
 
@@ -16,6 +17,9 @@ class ScheduledSeq:
     num_new_tokens: int
     # True when the chunk reaches the end of seq.token_ids: the runner samples one new token.
     sample: bool
+    # Speculative tokens computed after the decode's one token (num_new_tokens counts them); the sampler
+    # verifies them and keeps the longest accepted run plus one token of its own.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -27,8 +31,9 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, each step, which tokens of which sequences the model computes.
 
-    Running decodes come first (one token each), then running sequences still prefilling, then
-    waiting sequences in priority order, each prefill chunked to fit the remaining token budget.
+    Running decodes come first (one token each, plus their draft tokens where they have some and
+    budget and blocks allow), then running sequences still prefilling, then waiting sequences in
+    priority order, each prefill chunked to fit the remaining token budget.
     When blocks run out, the lowest-priority newest running sequence is preempted: its blocks are
     freed and it goes back to waiting, to be recomputed later (its tokens are kept)."""
 
@@ -95,6 +100,13 @@ class Scheduler:
                 if seq.status is not running or (remaining == 1) is not decodes:
                     continue
                 num_new = min(remaining, budget)
+                if decodes and seq.draft_token_ids:
+                    draft = seq.draft_token_ids[: budget - 1]
+                    # Drafts are a gamble: they never preempt anyone, they are dropped instead.
+                    if draft and block_manager.allocate(seq, 1 + len(draft)):
+                        scheduled.append(ScheduledSeq(seq, 1 + len(draft), True, draft))
+                        budget -= 1 + len(draft)
+                        continue
                 while not block_manager.allocate(seq, num_new):
                     victim = max(self.running, key=_sort_key)
                     self._preempt(victim)

@@ -47,7 +47,7 @@ class Sequence:
 
     __slots__ = (
         "request_id", "seq_id", "index", "priority", "arrival_time", "token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "block_table", "params", "generator", "status",
+        "num_computed_tokens", "block_table", "params", "generator", "status", "draft_token_ids",
         # Engine bookkeeping below; the model runner reads only the fields above.
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "num_forks", "max_tokens",
         "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions", "detokenizer",
@@ -77,6 +77,7 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
+        self.draft_token_ids: list[int] = []  # speculative tokens proposed to follow token_ids (decodes only)
         self.block_hashes: list[bytes] = []  # chained content hash of each full block of token_ids
         self.num_committed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule

@@ -10,7 +10,7 @@
 // One OpenMP task per (sequence, KV head, block of 16 queries), the blocks with the most keys first. A task
 // walks its keys 32 at a time; per key block it re-lays K and V out as AMX B tiles (K transposed so that
 // S = Q K^T comes out one query per row; V with consecutive keys interleaved), then for each query head of
-// the KV head: S on tiles, an online-softmax update per query row in AVX-512 (float32, masked beyond the
+// the KV head (several at once for short chunks): S on tiles, an online-softmax update per query row in AVX-512 (float32, masked beyond the
 // row's own position), P rounded to bfloat16 (as PyTorch's CPU flash attention does) and P V on tiles,
 // added into float32 accumulators rescaled by the softmax correction.
 #include <math.h>
@@ -102,6 +102,22 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
         const int64_t num_keys = first_position + valid_rows;  // the last row sees keys [0, num_keys)
         const int64_t *table = block_tables + seq * max_blocks;
 
+        // A pass fills one A tile with query rows: 16 positions of one query head, or, for short chunks (a
+        // decode verifying draft tokens), the positions of several query heads at once, so that a key block's
+        // tiles serve them all. Tile row t of a pass holds head pass * heads_per_pass + t / valid_rows at
+        // position t % valid_rows.
+        const int fit = QUERY_BLOCK / valid_rows;
+        const int heads_per_pass = fit < QUERIES_PER_KV ? fit : QUERIES_PER_KV;
+        const int num_passes = (QUERIES_PER_KV + heads_per_pass - 1) / heads_per_pass;
+        int row_position[QUERY_BLOCK], row_head[QUERIES_PER_KV][QUERY_BLOCK];
+        for (int t = 0; t < QUERY_BLOCK; t++) {
+            row_position[t] = t % valid_rows;
+            for (int pass = 0; pass < num_passes; pass++) {
+                const int head = pass * heads_per_pass + t / valid_rows;
+                row_head[pass][t] = t < heads_per_pass * valid_rows && head < QUERIES_PER_KV ? head : -1;
+            }
+        }
+
         uint16_t queries[QUERIES_PER_KV][QUERY_BLOCK][HEAD_DIM] __attribute__((aligned(64)));
         float acc[QUERIES_PER_KV][QUERY_BLOCK][HEAD_DIM] __attribute__((aligned(64)));
         float running_max[QUERIES_PER_KV][QUERY_BLOCK], running_sum[QUERIES_PER_KV][QUERY_BLOCK];
@@ -112,27 +128,43 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
         float chunk_out[QUERY_BLOCK][16] __attribute__((aligned(64)));
         float correction[QUERY_BLOCK];
 
-        memset(queries, 0, sizeof(queries));
-        memset(acc, 0, sizeof(acc));
-        for (int g = 0; g < QUERIES_PER_KV; g++)
-            for (int r = 0; r < QUERY_BLOCK; r++) {
-                running_max[g][r] = -INFINITY;
-                running_sum[g][r] = 0.0f;
-                if (r < valid_rows)
-                    memcpy(queries[g][r], q + (first_row + r) * q_row_stride + (kv * QUERIES_PER_KV + g) * HEAD_DIM,
+        memset(queries, 0, sizeof(queries[0]) * num_passes);
+        memset(acc, 0, sizeof(acc[0]) * num_passes);
+        for (int pass = 0; pass < num_passes; pass++)
+            for (int t = 0; t < QUERY_BLOCK; t++) {
+                running_max[pass][t] = -INFINITY;
+                running_sum[pass][t] = 0.0f;
+                const int head = row_head[pass][t];
+                if (head >= 0)
+                    memcpy(queries[pass][t],
+                           q + (first_row + row_position[t]) * q_row_stride + (kv * QUERIES_PER_KV + head) * HEAD_DIM,
                            sizeof(uint16_t) * HEAD_DIM);
             }
 
         for (int64_t key_start = 0; key_start < num_keys; key_start += KEY_BLOCK) {
             const int key_count = num_keys - key_start < KEY_BLOCK ? (int)(num_keys - key_start) : KEY_BLOCK;
-            const uint16_t *rows[KEY_BLOCK];
+            const uint16_t *rows[KEY_BLOCK], *next[KEY_BLOCK];
             cache_rows(cache, table, block_size, token_stride, key_start, key_count, rows);
+            // The next key block's K and V lines are requested while this one is re-laid out, one key's worth
+            // per key handled here, rather than all at once (which would stall on the line-fill buffers).
+            const int64_t next_start = key_start + KEY_BLOCK;
+            const int next_count = next_start >= num_keys               ? 0
+                                   : num_keys - next_start < KEY_BLOCK ? (int)(num_keys - next_start)
+                                                                       : KEY_BLOCK;
+            cache_rows(cache, table, block_size, token_stride, next_start, next_count, next);
             // K^T tiles: row d of a tile = the d-th pair of dimensions of 16 keys (32-bit pairs, transposed).
             for (int sub = 0; sub < 2; sub++)
                 for (int h = 0; h < HALVES; h++) {
                     __m512i lines[16];
                     for (int i = 0; i < 16; i++) {
                         const int key = sub * 16 + i;
+                        if (h == 0 && key < next_count) {
+                            const char *line = (const char *)(next[key] + kv * HEAD_DIM);
+                            for (int c = 0; c < HEAD_DIM * 2; c += 64) {
+                                _mm_prefetch(line + c, _MM_HINT_T0);
+                                _mm_prefetch(line + c + num_kv_heads * HEAD_DIM * 2, _MM_HINT_T0);
+                            }
+                        }
                         lines[i] = key < key_count ? _mm512_loadu_si512(rows[key] + kv * HEAD_DIM + h * 32)
                                                    : _mm512_setzero_si512();
                     }
@@ -155,11 +187,11 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
                     _mm512_store_si512(values[c][p], _mm512_permutex2var_epi16(a, interleave, b));
                 }
 
-            for (int g = 0; g < QUERIES_PER_KV; g++) {
+            for (int pass = 0; pass < num_passes; pass++) {
                 _tile_zero(3);
                 _tile_zero(4);
                 for (int h = 0; h < HALVES; h++) {
-                    _tile_loadd(0, &queries[g][0][h * 32], HEAD_DIM * 2);
+                    _tile_loadd(0, &queries[pass][0][h * 32], HEAD_DIM * 2);
                     _tile_loadd(2, keys_t[0][h], 64);
                     _tile_dpbf16ps(3, 0, 2);
                     _tile_loadd(2, keys_t[1][h], 64);
@@ -169,8 +201,8 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
                 _tile_stored(4, &scores[0][16], KEY_BLOCK * 4);
                 for (int r = 0; r < QUERY_BLOCK; r++) {
                     // Row r sees keys up to its own position: lanes beyond it (and beyond the block) are masked.
-                    const int64_t visible = first_position + r + 1 - key_start;
-                    if (r >= valid_rows || visible <= 0) {
+                    const int64_t visible = first_position + row_position[r] + 1 - key_start;
+                    if (row_head[pass][r] < 0 || visible <= 0) {
                         _mm512_store_si512(probs[r], _mm512_setzero_si512());
                         correction[r] = 1.0f;
                         continue;
@@ -184,17 +216,17 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
                     const __m512 lowest = _mm512_set1_ps(-INFINITY);
                     const float block_max = _mm512_reduce_max_ps(
                         _mm512_max_ps(_mm512_mask_mov_ps(lowest, low, s0), _mm512_mask_mov_ps(lowest, high, s1)));
-                    const float new_max = block_max > running_max[g][r] ? block_max : running_max[g][r];
+                    const float new_max = block_max > running_max[pass][r] ? block_max : running_max[pass][r];
                     const __m512 p0 = _mm512_maskz_mov_ps(low, exp512(_mm512_sub_ps(s0, _mm512_set1_ps(new_max))));
                     const __m512 p1 = _mm512_maskz_mov_ps(high, exp512(_mm512_sub_ps(s1, _mm512_set1_ps(new_max))));
                     // The sum counts P as rounded to bfloat16, the values P V multiplies.
                     const __m512bh rounded = _mm512_cvtne2ps_pbh(p1, p0);
                     _mm512_store_si512(probs[r], (__m512i)rounded);
-                    correction[r] = expf(running_max[g][r] - new_max);
-                    running_sum[g][r] = running_sum[g][r] * correction[r] +
+                    correction[r] = expf(running_max[pass][r] - new_max);
+                    running_sum[pass][r] = running_sum[pass][r] * correction[r] +
                                         _mm512_reduce_add_ps(_mm512_add_ps(
                                             load_bf16(&probs[r][0]), load_bf16(&probs[r][16])));
-                    running_max[g][r] = new_max;
+                    running_max[pass][r] = new_max;
                 }
                 _tile_loadd(5, &probs[0][0], KEY_BLOCK * 2);
                 for (int c = 0; c < CHUNKS; c++) {
@@ -202,20 +234,25 @@ static void paged_prefill_attention_tasks(const uint16_t *q, int64_t q_row_strid
                     _tile_loadd(6, values[c], 64);
                     _tile_dpbf16ps(7, 5, 6);
                     _tile_stored(7, &chunk_out[0][0], 64);
-                    for (int r = 0; r < valid_rows; r++) {
-                        float *row = &acc[g][r][c * 16];
+                    for (int r = 0; r < QUERY_BLOCK; r++) {
+                        if (row_head[pass][r] < 0) continue;
+                        float *row = &acc[pass][r][c * 16];
                         _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), _mm512_set1_ps(correction[r]),
                                                              _mm512_load_ps(chunk_out[r])));
                     }
                 }
             }
         }
-        for (int g = 0; g < QUERIES_PER_KV; g++)
-            for (int r = 0; r < valid_rows; r++) {
-                uint16_t *dst = out + (first_row + r) * out_row + (int64_t)(kv * QUERIES_PER_KV + g) * HEAD_DIM;
-                const __m512 inverse = _mm512_set1_ps(1.0f / running_sum[g][r]);
+        for (int pass = 0; pass < num_passes; pass++)
+            for (int r = 0; r < QUERY_BLOCK; r++) {
+                const int head = row_head[pass][r];
+                if (head < 0) continue;
+                uint16_t *dst = out + (first_row + row_position[r]) * out_row +
+                                (int64_t)(kv * QUERIES_PER_KV + head) * HEAD_DIM;
+                const __m512 inverse = _mm512_set1_ps(1.0f / running_sum[pass][r]);
                 for (int c = 0; c < CHUNKS; c++)
-                    store_bf16(dst + c * 16, round_bf16(_mm512_mul_ps(_mm512_load_ps(&acc[g][r][c * 16]), inverse)));
+                    store_bf16(dst + c * 16,
+                               round_bf16(_mm512_mul_ps(_mm512_load_ps(&acc[pass][r][c * 16]), inverse)));
             }
     }
     _tile_release();

@@ -187,10 +187,11 @@ class LlamaForCausalLM(nn.Module):
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (the matmul runs in the model dtype, as in
-        Hugging Face, so greedy choices match it)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]: float32, or with upcast=False the model dtype they are
+        computed in (the matmul runs in the model dtype, as in Hugging Face, so greedy choices match it)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up; tie lm_head to the embedding if configured.

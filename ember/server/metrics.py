@@ -236,6 +236,21 @@ class ServerMetrics:
             "prompt_tokens", "Prompt tokens processed (prefilled or cached).", stats.prompt_tokens_total
         )
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        spec = stats.spec_decode
+        if spec is not None:
+            yield counter("spec_decode_num_drafts", "Decodes that verified draft tokens.", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+            yield counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens
+            )
+            per_position = CounterMetricFamily(
+                "ember:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft.",
+                labels=["model_name", "position"],
+            )
+            for position, accepted in enumerate(spec.accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], accepted)
+            yield per_position
         lora = GaugeMetricFamily(
             "ember:lora_requests_info",
             "LoRA adapters in use (none: Ember serves no LoRA).",

@@ -53,10 +53,11 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int, chunk:
                 item.seq.block_table.append(free.pop())
         results = runner.execute(SchedulerOutput(scheduled, sum(item.num_new_tokens for item in scheduled)))
         assert len(results) == len(scheduled)
-        for item, token in zip(scheduled, results, strict=True):
-            assert (token is None) == (not item.sample)
+        for item, tokens in zip(scheduled, results, strict=True):
+            assert (tokens is None) == (not item.sample)
             item.seq.num_computed_tokens += item.num_new_tokens
-            if token is not None:
+            if tokens is not None:
+                (token,) = tokens  # no draft tokens: one token each
                 item.seq.token_ids.append(token.token_id)
                 sampled[seqs.index(item.seq)].append(token)
     return list(zip(seqs, sampled, strict=True))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ember.engine.sampler import Sampler
+from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
 
@@ -25,16 +25,28 @@ def make_seq(prompt: list[int] | None = None, output: list[int] | None = None, s
     return seq
 
 
+class OneTokenPerRow:
+    """The sampler on rows without draft tokens, where every sequence gains exactly one token."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        out = self.sampler(logits, seqs)
+        assert [len(tokens) for tokens in out] == [1] * len(seqs)
+        return [tokens[0] for tokens in out]
+
+
 @pytest.fixture
-def sampler() -> Sampler:
-    return Sampler([EOS], torch.device("cpu"), seed=0)
+def sampler() -> OneTokenPerRow:
+    return OneTokenPerRow(Sampler([EOS], torch.device("cpu"), seed=0))
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_greedy_is_argmax_and_top_k_one_is_greedy(sampler: Sampler) -> None:
+def test_greedy_is_argmax_and_top_k_one_is_greedy(sampler: OneTokenPerRow) -> None:
     logits = random_logits(6)
     greedy = sampler(logits, [make_seq(temperature=0.0) for _ in range(6)])
     top1 = sampler(logits, [make_seq(temperature=1.5, top_k=1) for _ in range(6)])
@@ -45,7 +57,7 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy(sampler: Sampler) -> None:
     assert [t.rank for t in sampler(logits, [make_seq(temperature=0.0, logprobs=0) for _ in range(6)])] == [1] * 6
 
 
-def test_greedy_ties_pick_the_lowest_token_id(sampler: Sampler) -> None:
+def test_greedy_ties_pick_the_lowest_token_id(sampler: OneTokenPerRow) -> None:
     """bfloat16 logits tie often; the choice must not depend on the reduction's thread split."""
     logits = torch.zeros(3, 40000)
     logits[0, [5, 900, 39999]] = 2.0
@@ -54,7 +66,7 @@ def test_greedy_ties_pick_the_lowest_token_id(sampler: Sampler) -> None:
     assert [t.token_id for t in chosen] == [5, 12, 0]
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: Sampler) -> None:
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: OneTokenPerRow) -> None:
     logits = torch.zeros(1, VOCAB)  # uniform: every draw depends only on the generator
 
     def draws(batch_mates: int, steps: int = 12) -> list[int]:
@@ -78,7 +90,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: S
 
 
 def test_unseeded_sampling_follows_the_softmax_distribution() -> None:
-    sampler = Sampler([EOS], torch.device("cpu"), seed=5)
+    sampler = OneTokenPerRow(Sampler([EOS], torch.device("cpu"), seed=5))
     base = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     rows = 4000
     out = sampler(base.expand(rows, VOCAB), [make_seq(temperature=0.5) for _ in range(rows)])
@@ -87,7 +99,7 @@ def test_unseeded_sampling_follows_the_softmax_distribution() -> None:
     torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
 
 
-def test_top_p_min_p_and_top_k_restrict_the_candidates(sampler: Sampler) -> None:
+def test_top_p_min_p_and_top_k_restrict_the_candidates(sampler: OneTokenPerRow) -> None:
     # probabilities 0.5, 0.3, 0.2 (the rest ~0)
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)] + [-1e4] * (VOCAB - 3)])
     rows = 300
@@ -104,10 +116,10 @@ def test_top_p_min_p_and_top_k_restrict_the_candidates(sampler: Sampler) -> None
     assert sampled(min_p=0.7) == {0}
 
 
-def test_repetition_penalty_divides_positive_and_multiplies_negative_logits(sampler: Sampler) -> None:
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits(sampler: OneTokenPerRow) -> None:
     logits = torch.tensor([[2.0, -1.0, 1.5, -1.5, 0.5, 0, 0, 0, 0, 0]])
     seq = make_seq(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0)
-    penalized = sampler._apply_penalties(logits, [seq])
+    penalized = sampler.sampler._apply_penalties(logits, [seq])
     expected = torch.tensor([[1.0, -2.0, 1.5, -1.5, 0.25, 0, 0, 0, 0, 0]])
     torch.testing.assert_close(penalized, expected)
     assert logits[0, 0] == 2.0  # the raw logits are untouched (logprobs use them)
@@ -115,14 +127,14 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits(samp
     assert sampler(logits, [make_seq(prompt=[0], temperature=0.0, repetition_penalty=1.3)])[0].token_id == 0
 
 
-def test_presence_and_frequency_penalties_count_output_tokens_only(sampler: Sampler) -> None:
+def test_presence_and_frequency_penalties_count_output_tokens_only(sampler: OneTokenPerRow) -> None:
     logits = torch.tensor([[3.0, 2.0, 1.0, 0, 0, 0, 0, 0, 0, 0]])
     seqs = [
         make_seq(prompt=[1, 1, 1], output=[0, 0, 2], frequency_penalty=0.5, presence_penalty=0.25),
         make_seq(prompt=[0, 0], output=[], frequency_penalty=1.0, presence_penalty=1.0),
         make_seq(prompt=[5], output=[2, 2, 2, 2], frequency_penalty=-0.5),
     ]
-    penalized = sampler._apply_penalties(logits.expand(3, VOCAB), seqs)
+    penalized = sampler.sampler._apply_penalties(logits.expand(3, VOCAB), seqs)
     expected = logits.expand(3, VOCAB).clone()
     expected[0, 0] = 3.0 - 2 * 0.5 - 0.25
     expected[0, 2] = 1.0 - 1 * 0.5 - 0.25
@@ -135,7 +147,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only(sampler: Samp
     ])] == [0, 1, 1]
 
 
-def test_min_tokens_masks_eos_and_stop_tokens_until_reached(sampler: Sampler) -> None:
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached(sampler: OneTokenPerRow) -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, EOS] = 5.0
     logits[0, 3] = 4.0
@@ -151,7 +163,7 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached(sampler: Sampler) ->
     assert greedy(min_tokens=2, output=[4], ignore_eos=True) == EOS  # ignore_eos: EOS never stops anyway
 
 
-def test_logprobs_are_raw_log_softmax_with_sorted_ranked_top_logprobs(sampler: Sampler) -> None:
+def test_logprobs_are_raw_log_softmax_with_sorted_ranked_top_logprobs(sampler: OneTokenPerRow) -> None:
     logits = random_logits(3, seed=7)
     seqs = [
         make_seq(seed=3, temperature=2.0, logprobs=4, repetition_penalty=1.7, output=[int(logits[0].argmax())]),

@@ -123,6 +123,8 @@ def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, c
 @pytest.mark.parametrize("chunks", [
     [(0, 2), (0, 17), (5, 40), (33, 16), (100, 37), (0, 200), (190, 64)],  # (tokens cached, new tokens)
     [(47, 3)],
+    # Decodes verifying draft tokens: the query heads of a KV head share a tile (all three, then two per pass).
+    [(220, 5), (60, 6), (31, 7), (9, 2)],
 ])
 def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, chunks: list[tuple[int, int]]) -> None:
     """Prompt chunks with and without cached context before them, of every length modulo the kernel's

@@ -106,3 +106,34 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
         before, "vllm:prefix_cache_hits_total"
     )
     assert hits == cached
+
+
+def test_speculative_decoding_serves_plain_outputs_and_counts_drafts(server, client, launch_server, tiny_model_dir):
+    """`ember serve --speculative-config` answers what the plain server answers, and /metrics counts the
+    drafts (vLLM's spec_decode_* names)."""
+    speculative = launch_server(
+        tiny_model_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    )
+    try:
+        spec_client = openai.OpenAI(base_url=f"{speculative.url}/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = PROMPT + " It was a bad move. It was a bad move. It was"
+        request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                   "extra_body": {"ignore_eos": True}}  # fmt: skip
+        expected = client.completions.create(**request)
+        got = spec_client.completions.create(**request)
+        assert got.choices[0].text == expected.choices[0].text
+        assert got.usage.completion_tokens == 20
+        streamed = "".join(chunk.choices[0].text for chunk in spec_client.completions.create(**request, stream=True))
+        assert streamed == expected.choices[0].text
+        samples = speculative.metrics()
+        drafts = speculative.metric(samples, "ember:spec_decode_num_draft_tokens_total")
+        accepted = speculative.metric(samples, "ember:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 <= accepted <= drafts
+        assert speculative.metric(samples, "vllm:spec_decode_num_drafts_total") > 0
+        per_position = [speculative.metric(samples, "ember:spec_decode_num_accepted_tokens_per_pos_total",
+                                           position=str(p)) for p in range(3)]  # fmt: skip
+        assert sum(per_position) == accepted
+        # The plain server has no speculative decoding and says nothing about it.
+        assert not any("spec_decode" in name for name in server.metrics())
+    finally:
+        speculative.stop()
