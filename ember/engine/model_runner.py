@@ -60,7 +60,7 @@ class ModelRunner:
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler(config.eos_token_ids, self.device, args.seed)
+        self.sampler = Sampler(config.eos_token_ids, self.device, args.seed, self.native)
         logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     self.dtype, self.device, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,

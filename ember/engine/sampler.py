@@ -14,6 +14,7 @@ import torch
 
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
+from ember.kernels.native import NativeKernels
 
 
 @dataclass
@@ -26,9 +27,11 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: SequenceOf[int], device: torch.device, seed: int) -> None:
+    def __init__(self, eos_token_ids: SequenceOf[int], device: torch.device, seed: int,
+                 native: NativeKernels | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        self.native = native  # its argmax takes bfloat16 logits at memory speed
         # Draws for requests without a seed: one generator per runner, so a run is reproducible from args.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -53,7 +56,10 @@ class Sampler:
         raw = logits
         logits = self._apply_min_tokens(logits, row_seqs)
         logits = self._apply_penalties(logits, row_seqs)
-        ids = _argmax(logits).tolist()
+        if logits.dtype == torch.bfloat16 and self.native is not None and logits.is_contiguous():
+            ids = self.native.argmax(logits).tolist()
+        else:
+            ids = _argmax(logits).tolist()
         accepted = [_matching_prefix(draft, ids, start) if draft and seq.params.temperature == 0.0 else 0
                     for seq, draft, start in zip(seqs, drafts, starts, strict=True)]
         random_seqs = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0.0]

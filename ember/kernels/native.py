@@ -58,6 +58,7 @@ class NativeKernels:
         self._add_rms_norm = _bind(fused, "add_rms_norm", _pointer, _pointer, _pointer, _pointer, _int64, _int64,
                                    _float, _int)
         self._silu_and_mul = _bind(fused, "silu_and_mul", _pointer, _pointer, _int64, _int64, _int)
+        self._argmax = _bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
         self._rotary_and_cache = _bind(fused, "rotary_and_cache", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
@@ -142,6 +143,14 @@ class NativeKernels:
         _check(gate_up.is_contiguous(), "silu_and_mul")
         out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        return out
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximal index of a bfloat16 [N, V] tensor (contiguous) -> int64 [N]; the same as
+        rows.float().max(dim=-1).indices, at memory speed."""
+        _check(rows.dtype == torch.bfloat16 and rows.is_contiguous(), "argmax")
+        out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+        self._argmax(rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], torch.get_num_threads())
         return out
 
     def rotary_and_cache(

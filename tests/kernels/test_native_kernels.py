@@ -181,3 +181,17 @@ def test_amx_gemm_needs_k_in_tiles(native: NativeKernels) -> None:
         pytest.skip("the CPU lacks AMX")
     assert kernels.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles
     assert kernels.pack_gemm_weight(torch.zeros(64, 64).bfloat16()) is not None
+
+
+@pytest.mark.parametrize("width", [49152, 1000, 37, 16, 1])
+def test_argmax_is_the_first_maximal_index_of_the_upcast(native: NativeKernels, width: int) -> None:
+    rows = (torch.randn(9, width, generator=torch.Generator().manual_seed(width)) * 5 - 3).to(torch.bfloat16)
+    rows[1] = -7.0  # every value tied: index 0
+    rows[2, -1] = 1e4  # the maximum in the last element (past the last whole vector when width % 16)
+    if width > 20:
+        rows[3, 5] = rows[3, width - 3] = 1e4  # two maxima: the first wins
+        rows[4] = -1.0
+        rows[4, 17] = -0.0
+        rows[4, 18] = 0.0  # -0 ties +0
+    expected = rows.float().max(dim=-1).indices
+    assert native.argmax(rows).tolist() == expected.tolist()
