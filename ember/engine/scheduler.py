@@ -102,8 +102,11 @@ class Scheduler:
                 num_new = min(remaining, budget)
                 if decodes and seq.draft_token_ids:
                     draft = seq.draft_token_ids[: budget - 1]
-                    # Drafts are a gamble: they never preempt anyone, they are dropped instead.
-                    if draft and block_manager.allocate(seq, 1 + len(draft)):
+                    # Drafts are a gamble: they take blocks only while one free block per running sequence
+                    # is left for its own next token; otherwise they are dropped, never preempting for them.
+                    needed = block_manager.blocks_needed(seq.num_computed_tokens + 1 + len(draft))
+                    spare = block_manager.num_free_blocks - max(needed - len(seq.block_table), 0)
+                    if draft and spare >= len(self.running) and block_manager.allocate(seq, 1 + len(draft)):
                         scheduled.append(ScheduledSeq(seq, 1 + len(draft), True, draft))
                         budget -= 1 + len(draft)
                         continue

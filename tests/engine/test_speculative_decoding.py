@@ -111,6 +111,14 @@ def test_greedy_outputs_equal_plain_decoding_and_transformers(make_llm, run_chec
         assert output.finish_reason == "length"
     stats = speculative.engine.stats()
     assert stats.generation_tokens_total == 12 * 24
+    # Blocks filled by accepted drafts went into the prefix cache with the right contents: a prompt that
+    # continues a finished sequence finds all its full blocks there and continues as transformers does.
+    for prompt, output in list(zip(prompts, outputs, strict=True))[:4]:
+        extended = prompt + output.token_ids[:20]
+        engine.add_request("again", extended, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        again = run_checked(engine)["again"]
+        assert again.num_cached_tokens == (len(extended) - 1) // 16 * 16
+        assert again.outputs[0].token_ids == tiny_reference(extended, 4)
     spec = stats.spec_decode
     # Both paths ran: accepted drafts (several tokens from one step) and rejected ones.
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
@@ -190,8 +198,8 @@ def test_seeded_sampling_with_drafts_is_reproducible(make_llm, run_checked) -> N
 
 def test_drafts_under_preemption_prefix_caching_forks_and_aborts(make_llm, run_checked, tiny_reference) -> None:
     """A KV cache too small for the batch: drafts are dropped rather than preempting, preempted sequences
-    come back and speculate again, n=2 siblings fork from a speculating parent's prompt, prefix-cache hits
-    and an abort mid-run; block accounting checked after every step, greedy outputs still transformers'."""
+    come back and speculate again, n=2 siblings fork from a speculating parent's prompt, and an abort
+    mid-run; block accounting checked after every step, greedy outputs still transformers'."""
     tiny_block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K+V of one 16-token block of the tiny model, float32
     llm = make_llm(speculative_config=NGRAM, kv_cache_memory=20 * tiny_block_bytes / (1 << 30))
     engine = llm.engine
@@ -199,7 +207,6 @@ def test_drafts_under_preemption_prefix_caching_forks_and_aborts(make_llm, run_c
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy)
-    engine.add_request("shared-prefix", prompts[0] + [5, 6, 7], greedy)
     engine.add_request("pair", prompts[1], SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=20,
                                                           ignore_eos=True))
     engine.add_request("aborted", prompts[2], greedy)
@@ -213,10 +220,8 @@ def test_drafts_under_preemption_prefix_caching_forks_and_aborts(make_llm, run_c
     finals = run_checked(engine, abort_once)
     for i, prompt in enumerate(prompts):
         assert finals[str(i)].outputs[0].token_ids == tiny_reference(prompt, 24), f"prompt {i}"
-    assert finals["shared-prefix"].outputs[0].token_ids == tiny_reference(prompts[0] + [5, 6, 7], 24)
     assert [len(choice.token_ids) for choice in finals["pair"].outputs] == [20, 20]
     assert [output.outputs[0].finish_reason for output in aborted] == ["abort"]
     stats = engine.stats()
     assert stats.num_preempted_total > 0 and stats.spec_decode.num_accepted_tokens > 0
-    assert stats.prefix_cache_hits > 0
     assert stats.num_free_blocks == stats.num_total_blocks
