@@ -1,6 +1,6 @@
-"""The real SmolLM2 in bfloat16 with ember's native kernels against the same engine on PyTorch ops only:
-greedy continuations agree token for token, with logprobs within bfloat16 rounding, until (at most) a step
-where the PyTorch path's top two candidates were a near-tie."""
+"""The real SmolLM2 in bfloat16 with ember's native kernels, with and without speculative decoding, against
+the same engine on PyTorch ops only: greedy continuations agree token for token, with logprobs within
+bfloat16 rounding, until (at most) a step where the PyTorch path's top two candidates were a near-tie."""
 
 from __future__ import annotations
 
@@ -21,23 +21,36 @@ MAX_NEW = 24
 LOGPROB_TOLERANCE = 0.25
 
 
-def greedy(model: Path, kernels: str) -> list:
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def greedy(model: Path, kernels: str, speculative_config: dict | None = None) -> list:
     # Three sequences at a time: decode batches of 1-3 rows take the native GEMM (with AMX, every Linear does).
     llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False,
-              max_num_seqs=3)
+              max_num_seqs=3, speculative_config=speculative_config)
     runner = llm.engine.runner
     assert (runner.native is not None) == (kernels == "native")
     if runner.native is not None and runner.native.gemm_name is not None:
         assert runner.model.lm_head.gemm_weight is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
-    return [result.outputs[0] for result in llm.generate(TEXTS, params)]
+    outputs = [result.outputs[0] for result in llm.generate(TEXTS, params)]
+    if speculative_config is not None:  # drafts were verified, on the prompt-chunk attention where AMX runs
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf_path: Path) -> list:
+    if load_native_kernels("auto", torch.device("cpu"), torch.bfloat16, (576, 1536), 64, 3) is None:
+        pytest.skip("native kernels cannot run on this machine")
+    return greedy(smollm2_gguf_path, "torch")
 
 
 @pytest.mark.slow
-def test_native_kernels_follow_the_torch_path(smollm2_gguf_path: Path) -> None:
-    if load_native_kernels("auto", torch.device("cpu"), torch.bfloat16, (576, 1536), 64, 3) is None:
-        pytest.skip("native kernels cannot run on this machine")
-    reference, native = greedy(smollm2_gguf_path, "torch"), greedy(smollm2_gguf_path, "native")
+@pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
+def test_native_kernels_follow_the_torch_path(smollm2_gguf_path: Path, reference: list,
+                                              speculative_config: dict | None) -> None:
+    native = greedy(smollm2_gguf_path, "native", speculative_config)
     identical = 0
     for expected, got in zip(reference, native, strict=True):
         for step, (token, other) in enumerate(zip(expected.token_ids, got.token_ids, strict=True)):
