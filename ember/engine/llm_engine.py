@@ -430,6 +430,4 @@ class LLMEngine:
 
 def _can_speculate(seq: Sequence) -> bool:
     """Drafted rows are sampled without the tokens before them: no penalties, no pending min_tokens."""
-    params = seq.params
-    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and seq.num_output_tokens >= params.min_tokens)
+    return not seq.params.has_penalties and seq.num_output_tokens >= seq.params.min_tokens

@@ -37,8 +37,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  drafts: list[list[int]] | None = None) -> list[list[SampledToken]]:
-        """logits: [R, V] (float32, or the model dtype: upcast here unless only argmaxes are needed). seqs[i] (whose token_ids hold prompt + output so far) owns 1 + len(drafts[i])
-        consecutive rows: the logits after its last token, then after each of its draft tokens.
+        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed). seqs[i],
+        whose token_ids hold prompt + output so far, owns 1 + len(drafts[i]) consecutive rows: the logits
+        after its last token, then after each of its draft tokens.
 
         Returns each sequence's new tokens: the draft tokens it accepts, then one token of its own, drawn at
         the first rejected position (or after the last draft). Greedy rows accept a draft token that is the
@@ -60,9 +61,9 @@ class Sampler:
             ids = self.native.argmax(logits).tolist()
         else:
             ids = _argmax(logits).tolist()
-        accepted = [_matching_prefix(draft, ids, start) if draft and seq.params.temperature == 0.0 else 0
+        accepted = [_matching_prefix(draft, ids, start) if draft and seq.params.greedy else 0
                     for seq, draft, start in zip(seqs, drafts, starts, strict=True)]
-        random_seqs = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0.0]
+        random_seqs = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_seqs:
             self._sample(logits, seqs, drafts, starts, random_seqs, accepted, ids)
         out = []
@@ -255,9 +256,8 @@ def _argmax_only(seq: Sequence) -> bool:
     """Whether the sequence's next token is the argmax of the raw logits and nothing else is read of them
     (the argmax of bfloat16 logits is that of their exact float32 upcast)."""
     params = seq.params
-    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and (not params.min_tokens or seq.num_output_tokens >= params.min_tokens))
+    return (params.greedy and params.logprobs is None and not params.has_penalties
+            and seq.num_output_tokens >= params.min_tokens)
 
 
 def _matching_prefix(draft: list[int], ids: list[int], start: int) -> int:
