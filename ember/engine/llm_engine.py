@@ -60,7 +60,7 @@ class _Request:
     """One request's n sequences and what has already been streamed of each."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "metrics", "num_unfinished",
-                 "sent_tokens", "sent_text", "sent_logprobs", "error")
+                 "sent_tokens", "sent_text", "sent_logprobs", "error", "prompt_logprobs", "sent_prompt_logprobs")
 
     def __init__(self, prepared: PreparedRequest) -> None:
         params = prepared.params
@@ -75,6 +75,10 @@ class _Request:
         self.sent_text = [0] * params.n
         self.sent_logprobs = [0] * params.n
         self.error: str | None = None
+        # With params.prompt_logprobs: one entry per prompt token scored so far; the first has none.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.sent_prompt_logprobs = False  # for output_kind "delta": sent once, when complete
 
     @property
     def finished(self) -> bool:
@@ -140,8 +144,6 @@ class LLMEngine:
                         priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
             prompt_token_ids = self.tokenizer.encode(prompt)
@@ -228,19 +230,24 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return []
         try:
-            sampled = self.runner.execute(scheduler_output)
+            result = self.runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
             return self._fail_batch(scheduler_output, exc)
         now = time.monotonic()
         block_manager = self.block_manager
         touched: dict[str, _Request] = {}
         requests = self.requests
-        for item, tokens in zip(scheduler_output.scheduled, sampled, strict=True):
+        for item, tokens, scores in zip(scheduler_output.scheduled, result.sampled, result.prompt_logprobs,
+                                        strict=True):
             seq = item.seq
+            request = requests[seq.request_id]
+            # A prompt is scored once, in order: not again by a recomputation after preemption, nor by the
+            # partial last block each forked sibling recomputes.
+            if scores is not None and len(request.prompt_logprobs) == seq.num_computed_tokens + 1:
+                request.prompt_logprobs += [self._logprob_entry(score) for score in scores]
             num_drafts = len(item.draft_token_ids)
             seq.num_computed_tokens += item.num_new_tokens - num_drafts
             block_manager.commit_full_blocks(seq)
-            request = requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             if tokens is None:
@@ -382,6 +389,13 @@ class LLMEngine:
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
             ))
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None:
+            if len(prompt_logprobs) < len(request.prompt_token_ids) or (delta and request.sent_prompt_logprobs):
+                prompt_logprobs = None
+            else:
+                request.sent_prompt_logprobs = True
+                prompt_logprobs = list(prompt_logprobs)
         parent = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
@@ -392,6 +406,7 @@ class LLMEngine:
             num_cached_tokens=parent.num_cached_tokens if parent is not None else 0,
             metrics=copy.copy(request.metrics),
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- introspection ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -82,10 +83,9 @@ class ModelRunner:
         return max(1, min(needed, budget))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[list[SampledToken] | None]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
-        sequence. The result is aligned with out.scheduled: the tokens each sequence gains (its accepted
-        draft tokens, then one sampled token), None where nothing is sampled."""
+        sequence, and the scores of prompt tokens for sequences that ask for prompt logprobs."""
         scheduled = out.scheduled
         # Single-token (decode) rows first, by context length, so each attention group pads its sequences'
         # K/V to similar lengths; prefill chunks after them in the scheduler's order.
@@ -95,11 +95,15 @@ class ModelRunner:
         spans = []
         sample_rows = []
         sampled_seqs = []
+        prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt_logprobs)
+        prompt_targets: list[int] = []
+        prompt_counts: list[tuple[int, int]] = []  # (scheduled index, rows) per chunk that scores its prompt
         for i in order:
             item = scheduled[i]
             seq = item.seq
             start, count = seq.num_computed_tokens, item.num_new_tokens
             draft = item.draft_token_ids
+            first_row = len(input_ids)
             input_ids += seq.token_ids[start : start + count - len(draft)]
             input_ids += draft
             positions.append(np.arange(start, start + count))
@@ -108,6 +112,12 @@ class ModelRunner:
                 # A decode with drafts needs the logits after its token and after each draft token.
                 sample_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sampled_seqs.append(i)
+            if seq.params.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
+                # Position p's logits score prompt token p + 1, up to the prompt's last token.
+                scored = min(start + count, seq.num_prompt_tokens - 1) - start
+                prompt_rows.extend(range(first_row, first_row + scored))
+                prompt_targets += seq.token_ids[start + 1 : start + 1 + scored]
+                prompt_counts.append((i, scored))
         meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device, self.native)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -115,18 +125,39 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        results: list[list[SampledToken] | None] = [None] * len(scheduled)
-        if not sample_rows:
-            return results
-        if len(sample_rows) < hidden.shape[0]:  # all-decode steps sample every row
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        result = StepResult([None] * len(scheduled), [None] * len(scheduled))
+        rows = sample_rows + prompt_rows
+        if not rows:
+            return result
+        if len(rows) < hidden.shape[0] or prompt_rows:  # all-decode steps sample every row, in order
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         # The sampler upcasts to float32 itself where it needs more than each row's argmax.
         logits = self.model.compute_logits(hidden, upcast=False)
-        tokens = self.sampler(logits, [scheduled[i].seq for i in sampled_seqs],
-                              [scheduled[i].draft_token_ids for i in sampled_seqs])
-        for i, token in zip(sampled_seqs, tokens, strict=True):
-            results[i] = token
-        return results
+        if sample_rows:
+            tokens = self.sampler(logits[: len(sample_rows)], [scheduled[i].seq for i in sampled_seqs],
+                                  [scheduled[i].draft_token_ids for i in sampled_seqs])
+            for i, token in zip(sampled_seqs, tokens, strict=True):
+                result.sampled[i] = token
+        if prompt_rows:
+            scores = iter(self.sampler.score(
+                logits[len(sample_rows):], prompt_targets,
+                [scheduled[i].seq.params.prompt_logprobs for i, count in prompt_counts for _ in range(count)],
+            ))
+            for i, count in prompt_counts:
+                result.prompt_logprobs[i] = [next(scores) for _ in range(count)]
+        return result
+
+
+@dataclass
+class StepResult:
+    """What one step computed, aligned with SchedulerOutput.scheduled."""
+
+    # The tokens each sequence gains (its accepted draft tokens, then one sampled token); None where the
+    # chunk does not reach the end of the sequence.
+    sampled: list[list[SampledToken] | None]
+    # Prompt logprobs: for a chunk of a sequence that asks for them, one entry per prompt token it scores
+    # (the tokens after each of its positions, up to the prompt's last); None elsewhere.
+    prompt_logprobs: list[list[SampledToken] | None]
 
 
 def _row_order(item: ScheduledSeq) -> tuple[int, int]:

@@ -49,6 +49,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason is then "abort")
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob entry (None for the first token);
+    # once the whole prompt is scored (output_kind "delta": in one output only).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

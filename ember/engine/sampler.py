@@ -81,6 +81,11 @@ class Sampler:
                 out[i] = [next(with_logprobs) for _ in out[i]]
         return out
 
+    def score(self, logits: torch.Tensor, token_ids: list[int], wanted: list[int]) -> list[SampledToken]:
+        """Each row's logprob and rank of token_ids[row] and its top wanted[row] logprobs, under the raw logits
+        (prompt logprobs: nothing is sampled)."""
+        return self._logprobs(logits.float(), torch.tensor(token_ids, device=self.device), wanted)
+
     def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[int]) -> list[SampledToken]:
         """Each row's chosen token's logprob and rank and its top `wanted` logprobs, under the raw logits."""
         log_norm = torch.logsumexp(raw, dim=-1)

@@ -129,7 +129,8 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + self.num_reserved_seats + 1 + seq.num_forks > self.max_num_seqs:
                 break
-            cached_blocks = block_manager.get_computed_blocks(seq)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hits for them.
+            cached_blocks = block_manager.get_computed_blocks(seq) if seq.params.prompt_logprobs is None else []
             num_cached = len(cached_blocks) * block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not block_manager.allocate(seq, num_new, cached_blocks):

@@ -34,11 +34,10 @@ from ember.server.streaming import SSE_HEADERS, TEXT_MARKER, TextChunkTemplate, 
 class CompletionsServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.served_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise bad_request(
-                "echo together with logprobs needs prompt logprobs, which Ember does not compute",
-                param="echo",
-            )
+        # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests, for one).
+        score_prompt = request.echo and request.logprobs is not None
+        if score_prompt and request.stream:
+            raise bad_request("echo together with logprobs is supported without streaming only", param="echo")
         prompts = request.prompts
         if isinstance(prompts[0], str):
             prompt_ids = (
@@ -57,6 +56,7 @@ class CompletionsServing(OpenAIServing):
                 max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
                 logprobs=request.logprobs,
                 streaming=streaming,
+                prompt_logprobs=request.logprobs if score_prompt else None,
             )
             for ids in prompt_ids
         ]
@@ -104,7 +104,14 @@ class CompletionsServing(OpenAIServing):
             for choice in output.outputs:
                 prefix = echo_texts[prompt_index] if echo_texts else ""
                 logprobs = None
-                if request.logprobs is not None and choice.logprobs is not None:
+                if score_prompt and choice.logprobs is not None:
+                    logprobs = self.completion_logprobs(
+                        prompt_ids[prompt_index] + choice.token_ids,
+                        output.prompt_logprobs + choice.logprobs,
+                        request.logprobs,
+                        0,
+                    )
+                elif request.logprobs is not None and choice.logprobs is not None:
                     logprobs = self.completion_logprobs(
                         choice.token_ids, choice.logprobs, request.logprobs, len(prefix)
                     )

@@ -51,7 +51,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int, chunk:
             needed = item.seq.num_computed_tokens + item.num_new_tokens
             while len(item.seq.block_table) * BLOCK_SIZE < needed:
                 item.seq.block_table.append(free.pop())
-        results = runner.execute(SchedulerOutput(scheduled, sum(item.num_new_tokens for item in scheduled)))
+        results = runner.execute(SchedulerOutput(scheduled, sum(item.num_new_tokens for item in scheduled))).sampled
         assert len(results) == len(scheduled)
         for item, tokens in zip(scheduled, results, strict=True):
             assert (tokens is None) == (not item.sample)

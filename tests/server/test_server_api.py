@@ -276,3 +276,36 @@ def test_access_log_has_one_line_per_request(server, auth):
         '"total_s":',
     ):
         assert field in line, line
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, auth, client):
+    """OpenAI's legacy scoring request (lm-eval's loglikelihood): the prompt's tokens with their logprobs,
+    the first without one, then the generated tokens'."""
+    prompt_ids = tokenize(server, auth, prompt=PROMPT)
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    scored = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    choice = scored.choices[0]
+    assert choice.text == PROMPT + plain.choices[0].text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])  # top 2, plus the token itself
+    assert "".join(logprobs.tokens[: len(prompt_ids)]) == PROMPT
+    assert logprobs.text_offset[len(prompt_ids)] == len(PROMPT)
+    # The generated part is what the request without echo returned.
+    assert logprobs.tokens[len(prompt_ids):] == plain.choices[0].logprobs.tokens
+    assert logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                                         abs=1e-4)
+    # Scoring the same text again gives the same prompt logprobs (no prefix-cache shortcut).
+    again = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
+    streamed = httpx.post(
+        f"{server.url}/v1/completions", headers=auth,
+        json={"model": MODEL_NAME, "prompt": PROMPT, "logprobs": 1, "echo": True, "stream": True},
+    )  # fmt: skip
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
