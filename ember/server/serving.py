@@ -45,7 +45,9 @@ class ChunkRenderer(Protocol):
 
     include_usage: bool
 
-    def preamble(self) -> list[bytes]: ...
+    def preamble(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        """Chunks that open one prompt's choices, sent before its first output's (which is `output`)."""
+        ...
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None: ...
 
@@ -258,13 +260,16 @@ class OpenAIServing:
         generated = [0] * num_prompts
         last_token_time: list[float | None] = [None] * num_prompts
         done: set[int] = set()
+        opened: set[int] = set()
         itl = self.metrics.itl
         item: tuple[int, RequestOutput] | None = first
         try:
-            for event in renderer.preamble():
-                yield event
             while item is not None:
                 prompt_index, output = item
+                if prompt_index not in opened:
+                    opened.add(prompt_index)
+                    for event in renderer.preamble(prompt_index, output):
+                        yield event
                 now = time.monotonic()
                 previous = last_token_time[prompt_index]
                 if previous is not None:

@@ -138,7 +138,7 @@ class _ChatChunks:
         chunk = ChatCompletionChunk(**self._header, choices=[choice] if choice else [], usage=usage)
         return sse_event(chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"}))
 
-    def preamble(self) -> list[bytes]:
+    def preamble(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
         return [
             self._event(
                 ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))

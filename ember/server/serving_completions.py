@@ -9,7 +9,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ember.engine.outputs import CompletionOutput, RequestOutput
-from ember.server.errors import bad_request
 from ember.server.middleware import access_record
 from ember.server.protocol import (
     CompletionChoice,
@@ -36,8 +35,6 @@ class CompletionsServing(OpenAIServing):
         model = self.served_model(request.model)
         # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests, for one).
         score_prompt = request.echo and request.logprobs is not None
-        if score_prompt and request.stream:
-            raise bad_request("echo together with logprobs is supported without streaming only", param="echo")
         prompts = request.prompts
         if isinstance(prompts[0], str):
             prompt_ids = (
@@ -93,7 +90,9 @@ class CompletionsServing(OpenAIServing):
         created = unix_time()
         if streaming:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            renderer = _CompletionChunks(self, request_id, created, model, request, echo_texts, include_usage)
+            renderer = _CompletionChunks(
+                self, request_id, created, model, request, echo_texts, prompt_ids, include_usage
+            )
             body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -159,6 +158,7 @@ class _CompletionChunks:
         model: str,
         request: CompletionRequest,
         echo_texts: list[str] | None,
+        prompt_ids: list[list[int]],
         include_usage: bool,
     ) -> None:
         self._serving = serving
@@ -166,11 +166,12 @@ class _CompletionChunks:
             id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT
         )
         self._n = request.n
-        self._num_choices = request.n * (len(echo_texts) if echo_texts else len(request.prompts))
+        num_choices = request.n * (len(echo_texts) if echo_texts else len(request.prompts))
         self._logprobs = request.logprobs
         self._echo_texts = echo_texts
+        self._prompt_ids = prompt_ids
         self._text_offsets = [
-            len(echo_texts[i // request.n]) if echo_texts else 0 for i in range(self._num_choices)
+            len(echo_texts[i // request.n]) if echo_texts else 0 for i in range(num_choices)
         ]
         self.include_usage = include_usage
         self._templates: dict[int, TextChunkTemplate] = {}
@@ -181,17 +182,24 @@ class _CompletionChunks:
     def _event(self, chunk: CompletionChunk) -> bytes:
         return sse_event(chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"}))
 
-    def preamble(self) -> list[bytes]:
+    def preamble(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        """The echoed prompt of each of the prompt's choices; with logprobs, its tokens' scores too."""
         if not self._echo_texts:
             return []
-        return [
-            self._event(
-                self._chunk(
-                    CompletionChoice(index=index, text=self._echo_texts[index // self._n], finish_reason=None)
-                )
+        logprobs = None
+        if self._logprobs is not None and output.prompt_logprobs is not None:
+            logprobs = self._serving.completion_logprobs(
+                self._prompt_ids[prompt_index], output.prompt_logprobs, self._logprobs, 0
             )
-            for index in range(self._num_choices)
-        ]
+        events = []
+        for index in range(prompt_index * self._n, (prompt_index + 1) * self._n):
+            if logprobs is not None and logprobs.tokens:  # generated tokens' offsets follow the prompt's
+                self._text_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            text = self._echo_texts[prompt_index]
+            events.append(self._event(self._chunk(
+                CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=None)
+            )))  # fmt: skip
+        return events
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._logprobs is None:

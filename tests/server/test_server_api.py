@@ -304,8 +304,12 @@ def test_echo_with_logprobs_scores_the_prompt(server, auth, client):
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True
     )
     assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
-    streamed = httpx.post(
-        f"{server.url}/v1/completions", headers=auth,
-        json={"model": MODEL_NAME, "prompt": PROMPT, "logprobs": 1, "echo": True, "stream": True},
-    )  # fmt: skip
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+    # Streamed: the first chunk echoes the prompt with its scores, then the generated tokens follow.
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True
+    ))  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
+    streamed = [lp for chunk in chunks for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
+    assert [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset] == logprobs.text_offset
