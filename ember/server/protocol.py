@@ -55,6 +55,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     priority: int = 0
     user: str | None = None
+    # vLLM's extra: each prompt token's logprob, rank and this many top alternatives (not when streaming).
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingFields:
@@ -62,6 +64,8 @@ class SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
 
@@ -188,6 +192,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's prompt_logprobs (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -209,6 +224,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs, as vLLM
 
 
 class DeltaMessage(BaseModel):
@@ -242,13 +258,17 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs, as vLLM
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: Usage
 
 

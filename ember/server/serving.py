@@ -26,6 +26,8 @@ from ember.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -332,6 +334,20 @@ class OpenAIServing:
                 )
             )
         return ChatLogprobs(content=content)
+
+    def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs field: per prompt token (None for the first), token id -> logprob, rank and
+        text, -inf floored as everywhere in the API."""
+        if entries is None:
+            return None
+        return [
+            None if entry is None else {
+                token_id: PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
+                                        decoded_token=self.token_text(token_id, lp))
+                for token_id, lp in entry.items()
+            }
+            for entry in entries
+        ]  # fmt: skip
 
     def completion_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int, text_offset: int

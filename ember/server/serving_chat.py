@@ -53,8 +53,9 @@ class ChatServing(OpenAIServing):
         max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, "messages")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(
-            request, max_tokens=max_tokens, logprobs=top_logprobs, streaming=request.stream
-        )
+            request, max_tokens=max_tokens, logprobs=top_logprobs, streaming=request.stream,
+            prompt_logprobs=request.prompt_logprobs,
+        )  # fmt: skip
         prompt_lens = [len(prompt_ids)]
         ticket = self.admit(1, len(prompt_ids))
         request_id = self.new_request_id("chatcmpl")
@@ -101,6 +102,7 @@ class ChatServing(OpenAIServing):
             system_fingerprint=SYSTEM_FINGERPRINT,
             choices=choices,
             usage=usage,
+            prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
         return json_response(response)
 

@@ -15,6 +15,7 @@ from ember.server.protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     Usage,
 )
 from ember.server.serving import (
@@ -53,7 +54,8 @@ class CompletionsServing(OpenAIServing):
                 max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
                 logprobs=request.logprobs,
                 streaming=streaming,
-                prompt_logprobs=request.logprobs if score_prompt else None,
+                prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None
+                else request.logprobs if score_prompt else None,
             )
             for ids in prompt_ids
         ]
@@ -115,12 +117,14 @@ class CompletionsServing(OpenAIServing):
                         choice.token_ids, choice.logprobs, request.logprobs, len(prefix)
                     )
                 choices.append(
-                    CompletionChoice(
+                    CompletionResponseChoice(
                         index=prompt_index * request.n + choice.index,
                         text=prefix + choice.text,
                         logprobs=logprobs,
                         finish_reason=choice.finish_reason,
                         stop_reason=choice.stop_reason,
+                        prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs)
+                        if request.prompt_logprobs is not None else None,
                     )
                 )
         usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, request.n)

@@ -313,3 +313,35 @@ def test_echo_with_logprobs_scores_the_prompt(server, auth, client):
     assert streamed[0] is None
     assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
     assert [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset] == logprobs.text_offset
+
+
+def test_prompt_logprobs_as_vllm(server, auth, client):
+    """vLLM's prompt_logprobs extra: per prompt token {token id: {logprob, rank, decoded_token}}, the first
+    None; on the completion choice for /v1/completions, at the top level for chat; not with streaming."""
+    prompt_ids = tokenize(server, auth, prompt=PROMPT)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    completion = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth).json()
+    entries = completion["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=2, echo=True
+    )
+    for position, (token_id, entry) in enumerate(zip(prompt_ids[1:], entries[1:], strict=True), start=1):
+        assert 1 <= len(entry) <= 3  # the token plus the top 2
+        assert entry[str(token_id)]["logprob"] == pytest.approx(
+            echoed.choices[0].logprobs.token_logprobs[position], abs=1e-5
+        )
+        assert sorted(item["rank"] for key, item in entry.items() if item["rank"] <= 2) == [1, 2]
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": None}, headers=auth)
+    assert plain.json()["choices"][0]["prompt_logprobs"] is None
+
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "prompt_logprobs": 0}  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=auth).json()
+    rendered = response["usage"]["prompt_tokens"]
+    assert len(response["prompt_logprobs"]) == rendered and response["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in response["prompt_logprobs"][1:])  # just the token itself
+
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": True}, headers=auth)
+    assert streamed.status_code == 400, streamed.text
+    assert "prompt_logprobs" in streamed.json()["error"]["message"]
