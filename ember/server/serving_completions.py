@@ -98,12 +98,16 @@ class CompletionsServing(OpenAIServing):
             body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
-        choices: list[CompletionChoice] = []
+        choices: list[CompletionResponseChoice] = []
         generated = []
         for prompt_index, output in enumerate(finals):
             generated.append(sum(len(choice.token_ids) for choice in output.outputs))
+            prefix = echo_texts[prompt_index] if echo_texts else ""
+            # Shared by the prompt's n choices: built once.
+            prompt_logprobs = (
+                self.prompt_logprobs(output.prompt_logprobs) if request.prompt_logprobs is not None else None
+            )
             for choice in output.outputs:
-                prefix = echo_texts[prompt_index] if echo_texts else ""
                 logprobs = None
                 if score_prompt and choice.logprobs is not None:
                     logprobs = self.completion_logprobs(
@@ -123,8 +127,7 @@ class CompletionsServing(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=choice.finish_reason,
                         stop_reason=choice.stop_reason,
-                        prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs)
-                        if request.prompt_logprobs is not None else None,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, request.n)
