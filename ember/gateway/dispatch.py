@@ -37,6 +37,7 @@ from ember.gateway.replicas import Replica, ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
+from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
 ENDPOINTS = ("chat/completions", "completions")
@@ -124,7 +125,8 @@ class Dispatcher:
             deadline_ms = policy.default_deadline_ms or self.config.queue.default_deadline_ms
             deadline_s = deadline_ms / 1000
         try:
-            admission = self.limiter.admit(principal, self._estimate_tokens(ctx))
+            estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
+            admission = self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             self.metrics.rate_limited.labels(principal.name, exc.type).inc()
             self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
@@ -145,14 +147,6 @@ class Dispatcher:
         if requested is None:
             return principal.policy.priority
         return min(max(requested, 0), principal.policy.highest_priority)
-
-    def _estimate_tokens(self, ctx: RequestContext) -> int:
-        body = ctx.body
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            max_tokens = self.config.limits.default_max_tokens
-        choices = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
-        return len(ctx.prompt_text) // 4 + max_tokens * choices
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
         if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
