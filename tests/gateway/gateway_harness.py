@@ -226,10 +226,11 @@ class FakeReplica:
 class EmberServe:
     """One `ember serve` process on a fixed port (so a restart comes back at the same URL)."""
 
-    def __init__(self, model_dir: Path, name: str, max_num_seqs: int = 8):
+    def __init__(self, model_dir: Path, name: str, max_num_seqs: int = 8, max_model_len: int = 512):
         self.model_dir = model_dir
         self.name = name
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -242,7 +243,7 @@ class EmberServe:
         command = [
             sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
             "--served-model-name", "tiny", "--port", str(self.port), "--num-threads", "1",
-            "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", "512", "--log-level", "warning",
+            "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len), "--log-level", "warning",
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
