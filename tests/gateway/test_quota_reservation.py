@@ -54,6 +54,11 @@ def test_estimate_counts_every_prompt_and_choice(endpoint: str, body: dict, expe
     assert estimate_request_tokens(endpoint, body, DEFAULT_MAX_TOKENS) == expected
 
 
+def one_key_gateway(start_gateway, replica, *, policy: dict, **extra):
+    """A gateway in front of `replica` with key k (secret sk-k) under `policy`."""
+    return start_gateway(gateway_config({"tiny": model_config(replica)}, [{"name": "k", "secret": "sk-k", **policy}], **extra))
+
+
 def complete(gateway, key: str, prompt, max_tokens: int, **extra) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra}
     return http.post(gateway.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
@@ -69,9 +74,7 @@ IDS = list(range(10, 20))
 
 def test_concurrent_requests_cannot_spend_the_same_budget(replicas, start_gateway):
     a, _ = replicas
-    gateway = start_gateway(
-        gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "token_budget": 100}])
-    )
+    gateway = one_key_gateway(start_gateway, a, policy={"token_budget": 100})
     a.hold()
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         held = [pool.submit(complete, gateway, "sk-k", IDS, 20) for _ in range(3)]
@@ -93,7 +96,7 @@ def test_concurrent_requests_cannot_spend_the_same_budget(replicas, start_gatewa
 
 def test_the_tpm_bucket_reserves_every_prompt(replicas, start_gateway):
     a, _ = replicas
-    gateway = start_gateway(gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "tpm": 1000}]))
+    gateway = one_key_gateway(start_gateway, a, policy={"tpm": 1000})
     # 32 prompts x max_tokens 40 = 1280 completion tokens alone: larger than the whole minute.
     too_large = complete(gateway, "sk-k", [IDS] * 32, 40)
     assert too_large.status_code == 429 and "about 1600 tokens" in too_large.json()["error"]["message"]
@@ -112,11 +115,7 @@ def test_the_tpm_bucket_reserves_every_prompt(replicas, start_gateway):
 def test_failed_requests_release_their_reservation(replicas, start_gateway):
     a, _ = replicas
     health = {"interval_s": 0.1, "timeout_s": 0.5, "unhealthy_threshold": 1, "healthy_threshold": 1}
-    gateway = start_gateway(
-        gateway_config(
-            {"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "token_budget": 90}], health=health
-        )
-    )
+    gateway = one_key_gateway(start_gateway, a, policy={"token_budget": 90}, health=health)
     a.fail_status = 500
     failed = complete(gateway, "sk-k", IDS, 20)
     assert failed.status_code == 502 and failed.json()["error"]["code"] == "upstream_error"
@@ -140,9 +139,7 @@ def test_failed_requests_release_their_reservation(replicas, start_gateway):
 
 def test_a_client_leaving_mid_stream_releases_its_reservation(replicas, start_gateway):
     a, _ = replicas
-    gateway = start_gateway(
-        gateway_config({"tiny": model_config(a)}, [{"name": "k", "secret": "sk-k", "token_budget": 30}])
-    )
+    gateway = one_key_gateway(start_gateway, a, policy={"token_budget": 30})
     a.pause_after_first_chunk = True
     with http.stream(
         "POST", gateway.url + "/v1/completions", headers={"authorization": "Bearer sk-k"},
