@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     store_args(create)
     create.add_argument("--name", required=True, help="A name for the key (unique among live keys)")
     create.add_argument("--models", default="*", help='Comma-separated model names it may use (default "*": all)')
-    create.add_argument("--priority", type=int, default=0, help="Queue tier; a higher tier is served first")
+    create.add_argument("--priority", type=int, default=0, help="Queue tier: a higher number is served first, by the gateway's queue and by the replicas' engines")
     create.add_argument("--max-priority", type=int, help="Highest tier a request may ask for (default --priority)")
     create.add_argument("--rpm", type=int, help="Requests per minute")
     create.add_argument("--tpm", type=int, help="Tokens per minute (prompt + completion)")

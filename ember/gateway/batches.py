@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.files import insert_file, parse_batch_lines, select_content, select_file
-from ember.gateway.jobs.api import read_json_object
+from ember.gateway.jobs.api import LOWEST_PRIORITY, read_json_object
 from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found, owner_of
 from ember.gateway.jobs.store import Job, JobStore, NewJob, new_id
 
 COMPLETION_WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
-BATCH_PRIORITY = 2  # batches run after async jobs of every priority
+BATCH_PRIORITY = LOWEST_PRIORITY - 1  # batches run after async jobs of every priority (higher first)
 ACTIVE_JOB_STATUSES = ("queued", "running")
 NEVER_RAN_ERRORS = {
     "expired": ("batch_expired", "This request could not be executed before the completion window expired."),

@@ -24,6 +24,7 @@ from ember.gateway.health import HealthProber
 from ember.gateway.http_client import UpstreamResponse
 from ember.gateway.keys import KeyRing, KeyStore, Principal
 from ember.gateway.metrics import GatewayMetrics
+from ember.gateway.priority import engine_priority, request_tier
 from ember.gateway.proxy import (
     SSEParser,
     UpstreamClient,
@@ -37,10 +38,10 @@ from ember.gateway.replicas import Replica, ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
+from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
 ENDPOINTS = ("chat/completions", "completions")
-BACKGROUND_PRIORITY = -1  # below every key's tier: async jobs wait behind interactive traffic
 
 
 class Dispatcher:
@@ -115,7 +116,7 @@ class Dispatcher:
             endpoint=endpoint,
             body=body,
             key_id=principal.key_id,
-            priority=self._tier(principal, priority, is_background),
+            priority=request_tier(policy, priority, is_background),
             client_region=client_region or self.config.listener_region,
             session_id=session_id or (body.get("user") if isinstance(body.get("user"), str) else None),
             is_background=is_background,
@@ -124,7 +125,8 @@ class Dispatcher:
             deadline_ms = policy.default_deadline_ms or self.config.queue.default_deadline_ms
             deadline_s = deadline_ms / 1000
         try:
-            admission = self.limiter.admit(principal, self._estimate_tokens(ctx))
+            estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
+            admission = self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             self.metrics.rate_limited.labels(principal.name, exc.type).inc()
             self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
@@ -139,21 +141,6 @@ class Dispatcher:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _tier(self, principal: Principal, requested: int | None, is_background: bool) -> int:
-        if is_background:
-            return BACKGROUND_PRIORITY
-        if requested is None:
-            return principal.policy.priority
-        return min(max(requested, 0), principal.policy.highest_priority)
-
-    def _estimate_tokens(self, ctx: RequestContext) -> int:
-        body = ctx.body
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            max_tokens = self.config.limits.default_max_tokens
-        choices = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
-        return len(ctx.prompt_text) // 4 + max_tokens * choices
-
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
         if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
             raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
@@ -161,10 +148,15 @@ class Dispatcher:
         return replica if replica is not None and replica.has_capacity else None
 
     def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
+        """The body for the replica: its model name, the engine priority of the request's tier in
+        place of any the client sent, and usage for streams. The client's bytes go as they are when
+        none of that changes them (tier 0 is the engine's default priority)."""
         body = ctx.body
-        if replica.upstream_model == ctx.model and not force_usage and raw_body is not None:
+        priority = engine_priority(ctx.priority)
+        unchanged = replica.upstream_model == ctx.model and not force_usage and "priority" not in body and priority == 0
+        if unchanged and raw_body is not None:
             return raw_body
-        body = {**body, "model": replica.upstream_model}
+        body = {**body, "model": replica.upstream_model, "priority": priority}
         if force_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return orjson.dumps(body)

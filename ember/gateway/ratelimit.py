@@ -1,8 +1,12 @@
 """Per-key limits: token buckets for requests/min and tokens/min, max concurrent requests and the
 lifetime token budget. Over a limit -> 429 with `Retry-After` and OpenAI's `x-ratelimit-*` headers.
 
-Tokens are estimated at admission (prompt characters / 4 + max_tokens) and corrected from the
-response's `usage` once it is known, so a key pays for what it actually used.
+Tokens are estimated at admission (ember.gateway.token_estimate: every prompt plus max_tokens for
+every choice) and that estimate is reserved at once, against the TPM bucket and against the token
+budget, so concurrent requests cannot all be admitted on the same unspent budget. When the request
+completes, the reservation is settled from the replica's `usage`: the key pays for what it actually
+used. A request that ends without usage (failed, client gone) releases its budget reservation
+unspent; its TPM charge stays, so cutting streams short does not raise a key's rate.
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ def format_duration(seconds: float) -> str:
 
 
 class KeyLimits:
-    __slots__ = ("requests", "tokens", "in_flight")
+    __slots__ = ("requests", "tokens", "in_flight", "reserved_tokens")
 
     def __init__(self, principal: Principal):
         policy = principal.policy
         self.requests = TokenBucket(policy.rpm) if policy.rpm else None
         self.tokens = TokenBucket(policy.tpm) if policy.tpm else None
         self.in_flight = 0
+        self.reserved_tokens = 0  # estimates of admitted requests not settled yet
 
 
 @dataclass(slots=True)
@@ -86,17 +91,17 @@ class RateLimiter:
             limits = self._limits[principal.key_id] = KeyLimits(principal)
         return limits
 
+    def reserved_tokens(self, key_id: str) -> int:
+        """Tokens reserved by the key's admitted requests that have not completed yet."""
+        limits = self._limits.get(key_id)
+        return 0 if limits is None else limits.reserved_tokens
+
     def admit(self, principal: Principal, estimated_tokens: int) -> Admission:
         policy = principal.policy
         limits = self._limits_for(principal)
         now = time.monotonic()
-        if policy.token_budget is not None and self.usage.total_tokens(principal.key_id) >= policy.token_budget:
-            raise GatewayError(
-                429,
-                f"API key {principal.name!r} has used its token budget of {policy.token_budget} tokens.",
-                "insufficient_quota",
-                "insufficient_quota",
-            )
+        if policy.token_budget is not None:
+            self._check_budget(principal, limits, estimated_tokens)
         if policy.max_concurrent is not None and limits.in_flight >= policy.max_concurrent:
             raise GatewayError(
                 429,
@@ -135,14 +140,36 @@ class RateLimiter:
         if limits.tokens:
             limits.tokens.take(estimated_tokens)
         limits.in_flight += 1
+        limits.reserved_tokens += estimated_tokens
         return Admission(principal, limits, estimated_tokens)
 
+    def _check_budget(self, principal: Principal, limits: KeyLimits, estimated_tokens: int) -> None:
+        """Refuse a request whose estimate does not fit what the budget has left once the requests
+        in flight are paid for: a burst then cannot spend more than the budget."""
+        budget = principal.policy.token_budget
+        used = self.usage.total_tokens(principal.key_id)
+        if used >= budget:
+            message = f"API key {principal.name!r} has used its token budget of {budget} tokens."
+        elif used + limits.reserved_tokens + estimated_tokens > budget:
+            left = max(budget - used - limits.reserved_tokens, 0)
+            message = (
+                f"Request needs up to about {estimated_tokens} tokens (prompts + max_tokens for each choice) but API "
+                f"key {principal.name!r} has {left} of its token budget of {budget} tokens left "
+                f"({limits.reserved_tokens} reserved by requests in flight). Lower max_tokens or n, or send fewer prompts."
+            )
+        else:
+            return
+        raise GatewayError(429, message, "insufficient_quota", "insufficient_quota")
+
     def settle(self, admission: Admission, used_tokens: int | None) -> None:
-        """Release the concurrency slot and replace the token estimate by what was used
-        (None: unknown, e.g. the request failed before any usage was reported -> keep the estimate)."""
-        admission.limits.in_flight -= 1
-        if admission.limits.tokens is not None and used_tokens is not None:
-            admission.limits.tokens.take(used_tokens - admission.estimated_tokens)
+        """Release the concurrency slot and the budget reservation, and replace the TPM estimate by
+        what was used (None: unknown, e.g. the stream was cut short -> the TPM charge stays).
+        Record the usage in the ledger before settling, so the budget never looks unpaid."""
+        limits = admission.limits
+        limits.in_flight -= 1
+        limits.reserved_tokens -= admission.estimated_tokens
+        if limits.tokens is not None and used_tokens is not None:
+            limits.tokens.take(used_tokens - admission.estimated_tokens)
 
     def headers(self, limits: KeyLimits, now: float | None = None) -> dict[str, str]:
         now = time.monotonic() if now is None else now

@@ -2,7 +2,7 @@
 
 Client frames (JSON text):
     {"type": "auth", "api_key": "sk-..."}                        unless the upgrade carried Authorization
-    {"type": "chat.completions" | "completions", "id": "r1", "body": {...}, "priority": 1}
+    {"type": "chat.completions" | "completions", "id": "r1", "body": {...}, "priority": 1}   tier, higher first
     {"type": "cancel", "id": "r1"}
 Server frames:
     {"type": "auth.ok"}

@@ -4,7 +4,7 @@ on sys.path): real uvicorn servers on 127.0.0.1 in background threads.
 `FakeReplica` is a small OpenAI-compatible Starlette upstream whose behaviour a test controls
 (hold requests, fail with a status, die mid-stream, report unhealthy); it is used where a test is
 about the gateway's own behaviour. `GatewayServer` runs the real gateway app. Tests that need real
-model replicas start `ember serve` processes instead (test_gateway_e2e.py).
+model replicas start `ember serve` processes (`EmberServe`) instead.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -217,6 +221,49 @@ class FakeReplica:
             raise
         finally:
             self.in_flight -= 1
+
+
+class EmberServe:
+    """One `ember serve` process on a fixed port (so a restart comes back at the same URL)."""
+
+    def __init__(self, model_dir: Path, name: str, max_num_seqs: int = 8, max_model_len: int = 512):
+        self.model_dir = model_dir
+        self.name = name
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> EmberServe:
+        self.launch()
+        return self.wait_healthy()
+
+    def launch(self) -> None:
+        command = [
+            sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
+            "--served-model-name", "tiny", "--port", str(self.port), "--num-threads", "1",
+            "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len), "--log-level", "warning",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_healthy(self) -> EmberServe:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ember serve {self.name} exited with {self.process.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"ember serve {self.name} did not become healthy")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
 
 class GatewayServer:

@@ -33,10 +33,10 @@ async def store(tmp_path):
 
 
 async def test_claims_by_priority_then_arrival_and_finishes(store):
-    low = await store.create_job(spec(priority=2))
+    low = await store.create_job(spec(priority=0))
     first = await store.create_job(spec(priority=1))
     second = await store.create_job(spec(priority=1))
-    urgent = await store.create_job(spec(priority=0))
+    urgent = await store.create_job(spec(priority=2))  # higher first
     order = [(await store.claim_next()).id for _ in range(4)]
     assert order == [urgent.id, first.id, second.id, low.id]
     assert await store.claim_next() is None
@@ -88,7 +88,7 @@ async def test_recovery_after_a_crash_requeues_or_fails(tmp_path):
     await store.open()
     retry = await store.create_job(spec())
     exhausted = await store.create_job(spec(webhook_url="http://127.0.0.1:1/hook"))
-    waiting = await store.create_job(spec(priority=2))
+    waiting = await store.create_job(spec(priority=0))
     await store.claim_next()
     await store.claim_next()
     # The second job already used its attempts: simulate two earlier runs.

@@ -4,17 +4,11 @@ saturation, deadlines, and a replica killed under load of 50 requests, then rest
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from gateway_harness import free_port, gateway_config, wait_until
+from gateway_harness import EmberServe, gateway_config, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -24,47 +18,6 @@ KEYS = [
     {"name": "limited", "secret": "sk-limited", "rpm": 1},
     {"name": "elsewhere", "secret": "sk-elsewhere", "models": ["other"]},
 ]
-
-
-class EmberServe:
-    """One `ember serve` process on a fixed port (so a restart comes back at the same URL)."""
-
-    def __init__(self, model_dir: Path, name: str):
-        self.model_dir = model_dir
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> EmberServe:
-        self.launch()
-        return self.wait_healthy()
-
-    def launch(self) -> None:
-        command = [
-            sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
-            "--served-model-name", "tiny", "--port", str(self.port), "--num-threads", "1",
-            "--max-num-seqs", "8", "--max-model-len", "512", "--log-level", "warning",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait_healthy(self) -> EmberServe:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ember serve {self.name} exited with {self.process.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"ember serve {self.name} did not become healthy")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """HTTP routes of async jobs (Baseten's async contract):
 
-    POST   /v1/async/chat/completions   normal body + webhook_url, priority (0 highest .. 2), 202 {id, status}
+    POST   /v1/async/chat/completions   normal body + webhook_url, priority (0 .. 2, higher first), 202 {id, status}
     POST   /v1/async/completions          max_time_in_queue_seconds
     GET    /v1/async/jobs/{id}            status, result or error, webhook attempts
     DELETE /v1/async/jobs/{id}            cancel a queued or running job
@@ -24,7 +24,8 @@ from ember.gateway.jobs.store import NewJob
 from ember.gateway.jobs.webhooks import WebhookURLError
 
 ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_seconds")
-DEFAULT_PRIORITY = 1
+# Ember's convention (ember.gateway.priority): a higher number is claimed first.
+LOWEST_PRIORITY, DEFAULT_PRIORITY, HIGHEST_PRIORITY = 0, 1, 2
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
@@ -72,8 +73,12 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         webhook_url = body.pop("webhook_url", None)
         priority = body.pop("priority", DEFAULT_PRIORITY)
         queue_limit = runtime.queue_limit_s(body.pop("max_time_in_queue_seconds", None))
-        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 2:
-            raise bad_request("priority must be 0 (highest), 1 or 2.", param="priority")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not LOWEST_PRIORITY <= priority <= HIGHEST_PRIORITY:
+            raise bad_request(
+                f"priority must be an integer from {LOWEST_PRIORITY} to {HIGHEST_PRIORITY} (higher runs first; "
+                f"default {DEFAULT_PRIORITY}).",
+                param="priority",
+            )
         if webhook_url is not None:
             try:
                 await runtime.webhooks.guard.resolve(webhook_url)

@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     custom_id TEXT,
     webhook_status TEXT
 );
-CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (status, priority, created_at);
+DROP INDEX IF EXISTS jobs_queue;
+CREATE INDEX IF NOT EXISTS jobs_queue_urgent_first ON jobs (status, priority DESC, created_at);
 CREATE INDEX IF NOT EXISTS jobs_batch_status ON jobs (batch_id, status);
 CREATE INDEX IF NOT EXISTS jobs_queue_deadline ON jobs (status, queue_deadline);
 CREATE INDEX IF NOT EXISTS jobs_webhook ON jobs (webhook_status);
@@ -402,7 +403,7 @@ class JobStore:
         return await self.transaction(expire)
 
     async def claim_next(self, now: float | None = None) -> Job | None:
-        """The most urgent runnable queued job (lowest priority number, then oldest), marked running.
+        """The most urgent runnable queued job (highest priority number, then oldest), marked running.
 
         A job that already ran once (re-queued after a failure or crash) no longer expires."""
         now = time.time() if now is None else now
@@ -412,7 +413,7 @@ class JobStore:
                 "UPDATE jobs SET status = 'running', started_at = ?, attempts = attempts + 1"
                 " WHERE id = (SELECT id FROM jobs WHERE status = 'queued' AND run_after <= ?"
                 " AND (started_at IS NOT NULL OR queue_deadline > ?)"
-                " ORDER BY priority, created_at, rowid LIMIT 1) RETURNING *",
+                " ORDER BY priority DESC, created_at, rowid LIMIT 1) RETURNING *",
                 (now, now, now),
             ).fetchone()
             return None if row is None else Job.from_row(row)
