@@ -19,18 +19,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember import sse
 from ember.gateway.admin import build_admin_router
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
+SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
+    (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
-DONE_FRAME = b"data: [DONE]\n\n"
 WATCH_AFTER_S = 0.02
 
 
@@ -161,9 +159,9 @@ class GatewayApp:
             headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
-                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": sse.data_event(payload), "more_body": True})
             watcher.stop()
-            await send({"type": "http.response.body", "body": DONE_FRAME})
+            await send({"type": "http.response.body", "body": sse.DONE_EVENT})
         except asyncio.CancelledError:
             if watcher.fired:
                 asyncio.current_task().uncancel()

@@ -15,8 +15,8 @@ import orjson
 from ember.gateway.config import TimeoutsConfig
 from ember.gateway.http_client import ConnectTimeout, HttpClient, UpstreamResponse
 from ember.gateway.replicas import Replica
+from ember.sse import DONE_DATA
 
-DONE = b"[DONE]"
 ENDPOINT_PATHS = {"chat/completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
 
 
@@ -174,7 +174,7 @@ class UpstreamResult:
         try:
             pending, self._pending = self._pending, []
             for payload in pending:
-                if payload == DONE:
+                if payload == DONE_DATA:
                     outcome = "ok"
                     return
                 if self._keep(payload):
@@ -194,7 +194,7 @@ class UpstreamResult:
                     yield stream_error_payload("The replica closed the stream before it was complete.")
                     return
                 for payload in self._parser.feed(chunk):
-                    if payload == DONE:
+                    if payload == DONE_DATA:
                         outcome = "ok"
                         return
                     if self._keep(payload):

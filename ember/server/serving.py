@@ -33,7 +33,8 @@ from ember.server.protocol import (
     Usage,
 )
 from ember.server.settings import ServerSettings
-from ember.server.streaming import DONE, sse_event
+from ember.server.streaming import sse_event
+from ember.sse import DONE_EVENT
 
 T = TypeVar("T")
 
@@ -296,10 +297,10 @@ class OpenAIServing:
             usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, n)
             if renderer.include_usage:
                 yield renderer.usage(usage)
-            yield DONE
+            yield DONE_EVENT
         except APIError as exc:  # the status line is sent already: report in-band, as vLLM does
             yield sse_event(exc.body())
-            yield DONE
+            yield DONE_EVENT
         finally:
             if record.completion_tokens is None:  # ended early (client gone): log what was sent
                 record.completion_tokens = sum(generated)

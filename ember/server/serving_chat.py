@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ember import sse
 from ember.engine.outputs import CompletionOutput, RequestOutput
 from ember.server.errors import bad_request
 from ember.server.middleware import access_record
@@ -31,7 +32,7 @@ from ember.server.serving import (
     unix_time,
     until_disconnected,
 )
-from ember.server.streaming import SSE_HEADERS, TEXT_MARKER, TextChunkTemplate, sse_event
+from ember.server.streaming import TEXT_MARKER, TextChunkTemplate, sse_event
 
 
 class ChatServing(OpenAIServing):
@@ -79,7 +80,7 @@ class ChatServing(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             renderer = _ChatChunks(self, request_id, created, model, request.n, top_logprobs, include_usage)
             body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(body, media_type="text/event-stream", headers=sse.HEADERS)
 
         choices = [
             ChatCompletionChoice(

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ember import sse
 from ember.engine.outputs import CompletionOutput, RequestOutput
 from ember.server.middleware import access_record
 from ember.server.protocol import (
@@ -28,7 +29,7 @@ from ember.server.serving import (
     unix_time,
     until_disconnected,
 )
-from ember.server.streaming import SSE_HEADERS, TEXT_MARKER, TextChunkTemplate, sse_event
+from ember.server.streaming import TEXT_MARKER, TextChunkTemplate, sse_event
 
 
 class CompletionsServing(OpenAIServing):
@@ -96,7 +97,7 @@ class CompletionsServing(OpenAIServing):
                 self, request_id, created, model, request, echo_texts, prompt_ids, include_usage
             )
             body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(body, media_type="text/event-stream", headers=sse.HEADERS)
 
         choices: list[CompletionResponseChoice] = []
         generated = []

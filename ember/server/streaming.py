@@ -1,4 +1,4 @@
-"""Server-sent events: one `data: {json}` event per chunk, `data: [DONE]` at the end.
+"""Server-sent events: one `data: {json}` event per chunk (framing in ember/sse.py).
 
 Per generated token the stream only changes the chunk's text, so the chunk is encoded once per
 request and choice, split around a marker, and each token costs one `orjson.dumps(text)` and a
@@ -11,8 +11,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from ember.sse import data_event
 
 # A string no tokenizer produces; put it where the text goes when building a template's chunk.
 TEXT_MARKER = "\x00ember-text\x00"
@@ -22,7 +21,7 @@ _ENCODED_MARKER = orjson.dumps(TEXT_MARKER)
 def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json")
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return data_event(orjson.dumps(payload))
 
 
 class TextChunkTemplate:
