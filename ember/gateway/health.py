@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
+import httpx
 
 from ember.gateway.config import HealthConfig
 from ember.gateway.periodic import PeriodicTask
@@ -24,7 +24,6 @@ class HealthProber:
         self.pool = pool
         self.client = client
         self.config = config
-        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._task = PeriodicTask("ember-gateway-health", config.interval_s, self.probe_all)
 
     async def start(self) -> None:
@@ -40,11 +39,10 @@ class HealthProber:
         """One probe; reports the outcome to the pool and returns whether it succeeded."""
         failure = None
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
-                await response.read()
-                if not 200 <= response.status < 300:
-                    failure = f"HTTP {response.status}"
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            response = await self.client.side.get(replica.url + self.config.path, timeout=self.config.timeout_s)
+            if not 200 <= response.status_code < 300:
+                failure = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
             failure = type(exc).__name__
         was_healthy = replica.healthy
         if failure is None:
