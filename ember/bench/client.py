@@ -22,9 +22,6 @@ import orjson
 
 from ember.sse import DONE_DATA
 
-API_CHOICES = ("completions", "chat")
-API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-
 
 @dataclass
 class RequestResult:

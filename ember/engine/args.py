@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import EmberError
-from ember.kernels.native import KERNEL_CHOICES
+from ember.kernels import KERNEL_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")

@@ -27,8 +27,6 @@ from ember.kernels.build import KernelBuildError, load_kernel
 
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "native", "torch")
-
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ANY_ROWS = sys.maxsize
 # kernel name -> (library, the most rows it is used for, the multiple of K it needs). amx_gemm.c takes every
