@@ -79,7 +79,7 @@ class WebSocketSession:
 
     async def handle(self, raw: str | bytes) -> None:
         try:
-            frame = parse_json_object(raw, "The frame")
+            frame = parse_json_object(raw, "A frame")
         except GatewayError as exc:
             exc.code = "invalid_frame"
             await self.send_error(None, exc)
