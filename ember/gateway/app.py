@@ -13,7 +13,6 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +23,7 @@ from ember.gateway.admin import build_admin_router
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
+from ember.gateway.request_body import parse_json_object
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
 SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
@@ -232,16 +232,6 @@ async def send_error(send: Callable, exc: GatewayError) -> None:
     headers.extend((name.encode(), value.encode()) for name, value in exc.headers.items())
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": exc.to_json()})
-
-
-def parse_json_object(raw: bytes) -> dict:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
 
 
 def parse_int_header(value: bytes | None, name: str) -> int | None:

@@ -19,7 +19,7 @@ import orjson
 
 from ember.gateway.admission_queue import AdmissionQueue
 from ember.gateway.config import GatewayConfig
-from ember.gateway.errors import GatewayError, bad_request, unavailable
+from ember.gateway.errors import GatewayError, unavailable
 from ember.gateway.health import HealthProber
 from ember.gateway.http_client import UpstreamResponse
 from ember.gateway.keys import KeyRing, KeyStore, Principal
@@ -35,6 +35,7 @@ from ember.gateway.proxy import (
 )
 from ember.gateway.ratelimit import Admission, RateLimiter
 from ember.gateway.replicas import Replica, ReplicaPool
+from ember.gateway.request_body import RequestBody, parse_request_body
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
@@ -99,9 +100,8 @@ class Dispatcher:
         arrival = time.monotonic()
         if endpoint not in ENDPOINTS:
             raise GatewayError(404, f"Unknown endpoint {endpoint!r}.", code="unknown_url")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_request("You must provide a model parameter.", param="model")
+        request = parse_request_body(endpoint, body)
+        model = request.model
         if model not in self.config.models:
             raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         policy = principal.policy
@@ -118,7 +118,7 @@ class Dispatcher:
             key_id=principal.key_id,
             priority=request_tier(policy, priority, is_background),
             client_region=client_region or self.config.listener_region,
-            session_id=session_id or (body.get("user") if isinstance(body.get("user"), str) else None),
+            session_id=session_id or request.user,
             is_background=is_background,
         )
         if deadline_s is None:
@@ -132,7 +132,7 @@ class Dispatcher:
             self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
             raise
         try:
-            return await self._forward(ctx, principal, admission, arrival, arrival + deadline_s, raw_body)
+            return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
@@ -158,24 +158,24 @@ class Dispatcher:
             return raw_body
         body = {**body, "model": replica.upstream_model, "priority": priority}
         if force_usage:
+            # parse_request_body has checked that stream_options is an object or null.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return orjson.dumps(body)
 
     async def _forward(
         self,
         ctx: RequestContext,
+        request: RequestBody,
         principal: Principal,
         admission: Admission,
         arrival: float,
         deadline: float,
         raw_body: bytes | None,
     ) -> UpstreamResult:
-        stream = ctx.body.get("stream") is True
-        stream_options = ctx.body.get("stream_options")
-        client_wants_usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        stream = request.stream is True
         # Streams always ask the replica for usage (to correct the key's token count) and drop that
         # extra chunk when the client did not ask for it.
-        force_usage = stream and not client_wants_usage
+        force_usage = stream and not request.client_wants_usage
         routing_policy = self.config.models[ctx.model].routing.policy
         max_attempts = self.config.failover.max_attempts
         exclude: set[str] = set()

@@ -23,6 +23,7 @@ from starlette.datastructures import UploadFile
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found
 from ember.gateway.jobs.store import new_id
+from ember.gateway.request_body import parse_request_body
 
 UPLOAD_PURPOSES = ("batch",)
 
@@ -69,10 +70,8 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
         if not raw.strip():
             continue
 
-        def bad(reason: str, number: int = number) -> GatewayError:
-            return bad_request(
-                f"Line {number} of the batch file: {reason}", param="file", code="invalid_batch_line"
-            )
+        def bad(reason: str, number: int = number, param: str = "file") -> GatewayError:
+            return bad_request(f"Line {number} of the batch file: {reason}", param, "invalid_batch_line")
 
         try:
             item = orjson.loads(raw)
@@ -96,9 +95,11 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
         body = item.get("body")
         if not isinstance(body, dict):
             raise bad("'body' must be a JSON object.")
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            raise bad("'body.model' must be a non-empty string.")
-        if body.get("stream"):
+        try:
+            request = parse_request_body(ENDPOINTS[item["url"]], body)
+        except GatewayError as exc:
+            raise bad(f"in 'body', {exc.message}", param=f"body.{exc.param}") from None
+        if request.stream:
             raise bad("'body.stream' must not be true: batch requests are not streamed.")
         lines.append(BatchLine(custom_id, item["url"], body))
         if len(lines) > max_requests:

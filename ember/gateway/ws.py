@@ -27,6 +27,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.keys import Principal
+from ember.gateway.request_body import parse_json_object
 
 REQUEST_TYPES = {"chat.completions": "chat/completions", "completions": "completions"}
 MAX_IN_FLIGHT = 64
@@ -78,14 +79,10 @@ class WebSocketSession:
 
     async def handle(self, raw: str | bytes) -> None:
         try:
-            frame = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            await self.send_error(
-                None, bad_request(f"The frame is not valid JSON: {exc}", code="invalid_frame")
-            )
-            return
-        if not isinstance(frame, dict):
-            await self.send_error(None, bad_request("A frame must be a JSON object.", code="invalid_frame"))
+            frame = parse_json_object(raw, "A frame")
+        except GatewayError as exc:
+            exc.code = "invalid_frame"
+            await self.send_error(None, exc)
             return
         request_id = frame.get("id")
         kind = frame.get("type")

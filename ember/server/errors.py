@@ -86,7 +86,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     for err in errors:
         path = _field_path(err.get("loc", ()))
         param = param or (path.split(".", 1)[0] if path else None)
-        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        message = (
+            "must be a finite number"
+            if err.get("type") == "finite_number"
+            else str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        )
         line = f"{path}: {message}" if path else message
         if line not in messages:
             messages.append(line)

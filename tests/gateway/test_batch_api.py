@@ -129,12 +129,11 @@ def test_openai_sdk_batch_workflow_end_to_end(gateway):
 def test_invalid_uploads_and_batches_are_refused_with_reasons(gateway):
     client = sdk(gateway)
     cases = [
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\nnot json\n',
-         "Line 2 of the batch file: not valid JSON"),
+        (jsonl(chat_line("a")) + b"not json\n", "Line 2 of the batch file: not valid JSON"),
         (jsonl(chat_line("a"), chat_line("a")), "Line 2 of the batch file: custom_id 'a' is used more than once"),
         (jsonl({**chat_line("a"), "method": "GET"}), "Line 1 of the batch file: 'method' must be \"POST\""),
         (jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "Line 1 of the batch file: 'url' must be one of"),
-        (jsonl({**chat_line("a"), "body": {"messages": []}}), "'body.model' must be a non-empty string"),
+        (jsonl({**chat_line("a"), "body": {"messages": []}}), "in 'body', You must provide a model parameter."),
         (b"\n\n", "The batch file holds no requests."),
         (b"\xff\xfe", "The file is not UTF-8 text."),
     ]  # fmt: skip

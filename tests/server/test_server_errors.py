@@ -104,6 +104,21 @@ def test_negative_or_absurd_parameters_are_400(post, path, body, param):
     assert_error(post(path, json=body), 400, param=param)
 
 
+@pytest.mark.parametrize(
+    "field, raw_value",
+    [("temperature", "NaN"), ("temperature", '"NaN"'), ("top_p", "Infinity"), ("presence_penalty", "-Infinity")],
+)
+def test_non_finite_numbers_are_named_as_such(post, field, raw_value):
+    """NaN used to fail the range check and read "must be <= 100"; the message says what is wrong."""
+    content = f'{{"model": "{MODEL_NAME}", "prompt": "hi", "max_tokens": 2, "{field}": {raw_value}}}'
+    error = assert_error(
+        post("/v1/completions", content=content.encode(), headers={"content-type": "application/json"}),
+        400,
+        param=field,
+    )
+    assert error["message"] == f"{field}: must be a finite number"
+
+
 def test_empty_messages_is_400(post):
     error = assert_error(post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, param="messages")
     assert "at least 1" in error["message"]
