@@ -40,7 +40,9 @@ class HealthProber:
         """One probe; reports the outcome to the pool and returns whether it succeeded."""
         failure = None
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
+            async with self.client.session.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self._timeout
+            ) as response:
                 await response.read()
                 if not 200 <= response.status < 300:
                     failure = f"HTTP {response.status}"

@@ -78,7 +78,9 @@ class MetricsScraper:
     async def scrape(self, replica: Replica) -> bool:
         """One scrape into `replica.metrics`; returns whether it succeeded."""
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
+            async with self.client.session.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self._timeout
+            ) as response:
                 text = await response.text()
                 ok = response.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
