@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Also serve the ember.v1.Inference gRPC API on this port (default: async.grpc.port, else off)",
     )
     parser.add_argument(
+        "--fleet-replicas",
+        nargs="+",
+        default=[],
+        metavar="ID",
+        help="Ids of the replicas `ember up` started: the gateway sends them the fleet's service credential, "
+        "read from $EMBER_FLEET_CREDENTIAL (`ember up` passes both)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -33,11 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ember.errors import EmberError
     from ember.gateway.app import create_app
-    from ember.gateway.config import load_config
+    from ember.gateway.config import FLEET_CREDENTIAL_ENV, load_config, with_replica_api_keys
     from ember.gateway.protocols import protocol_extensions
 
     config = load_config(args.config)  # a bad file fails here, before anything listens
+    if args.fleet_replicas:
+        credential = os.environ.get(FLEET_CREDENTIAL_ENV)
+        if not credential:
+            raise EmberError(f"--fleet-replicas needs the fleet's credential in ${FLEET_CREDENTIAL_ENV}")
+        config = with_replica_api_keys(config, dict.fromkeys(args.fleet_replicas, credential))
     app = create_app(config, protocol_extensions(config, args.grpc_port))
     uvicorn.run(
         app,

@@ -11,6 +11,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ember.engine.args import EngineArgs
+    from ember.server.settings import API_KEY_ENV
 
     parser = subparsers.add_parser(
         "serve",
@@ -31,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument(
         "--api-key",
-        default=os.environ.get("EMBER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-        "(default: $EMBER_API_KEY, else no key)",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        f"(default: ${API_KEY_ENV}, else no key)",
     )
     group.add_argument(
         "--max-queued-requests",

@@ -12,22 +12,35 @@ own schema) plus a `launch:` section saying which of its replicas to start local
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
+
+Each `ember up` generates a service credential that only its gateway holds: the replicas it launches
+get it as their API key and the gateway sends it to them (both through the environment, which `ps`
+does not show), so no other local process can call a replica past the gateway's keys and limits.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ember.errors import EmberError
-from ember.gateway.config import GatewayConfig, GatewayConfigError, format_location, load_config
+from ember.gateway.config import (
+    FLEET_CREDENTIAL_ENV,
+    GatewayConfig,
+    GatewayConfigError,
+    format_location,
+    load_config,
+)
 from ember.gateway.replicas import ReplicaPool
 from ember.gateway.router import Router
+from ember.server.settings import API_KEY_ENV
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -76,6 +89,7 @@ class ChildSpec:
     name: str  # "gateway", "replica-8001": the prefix of its log lines
     argv: list[str]
     health_url: str  # polled only to report readiness; the gateway probes replicas itself
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the supervisor's environment
 
 
 @dataclass(frozen=True)
@@ -105,9 +119,9 @@ def load_fleet(path: str | Path) -> Fleet:
         ]
         raise FleetError(f"{path}: " + "; ".join(problems)) from None
     python = [sys.executable, "-m", "ember.cli"]
-    gateway_argv = [*python, "gateway", "--config", str(path.resolve()), "--host", launch.gateway.host,
-                    "--port", str(launch.gateway.port), *launch.gateway.args]  # fmt: skip
-    children = [ChildSpec("gateway", gateway_argv, f"http://{launch.gateway.host}:{launch.gateway.port}/health")]
+    credential = secrets.token_urlsafe(32)
+    children: list[ChildSpec] = []
+    launched_ids: list[str] = []
     used_ports = {launch.gateway.port: "launch.gateway.port"}
     # Threads per replica: the machine's cores shared out, unless the fleet sets --num-threads.
     threads = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
@@ -116,7 +130,7 @@ def load_fleet(path: str | Path) -> Fleet:
         if replica.port in used_ports:
             raise FleetError(f"{where}.port: {replica.port} is already used by {used_ports[replica.port]}")
         used_ports[replica.port] = f"launch.replicas[{index}].port"
-        host, served = _served_models(gateway, replica.port)
+        host, served, replica_ids, keyed = _local_replicas(gateway, replica.port)
         if not served:
             raise FleetError(
                 f"{where}.port: no replica under models has a local url on port {replica.port} "
@@ -125,27 +139,53 @@ def load_fleet(path: str | Path) -> Fleet:
         model = replica.model or served[0]
         if replica.model is None and len(served) > 1:
             raise FleetError(f"{where}.model: required, its deployments serve several models: {', '.join(served)}")
+        if keyed:
+            raise FleetError(f"{where}: `ember up` generates the key of the replicas it starts; remove {keyed}")
+        if "--api-key" in replica.args:
+            raise FleetError(f"{where}.args: `ember up` generates the key of the replicas it starts; remove --api-key")
         if not Path(model).is_absolute() and (path.parent / model).exists():
             model = str((path.parent / model).resolve())
         argv = [*python, "serve", "--model", model, "--host", host, "--port", str(replica.port),
                 "--served-model-name", *served]  # fmt: skip
         if "--num-threads" not in replica.args:
             argv += ["--num-threads", str(threads)]
-        children.append(ChildSpec(f"replica-{replica.port}", [*argv, *replica.args], f"http://{host}:{replica.port}/health"))
-    return Fleet(path, gateway, launch, children)
+        children.append(
+            ChildSpec(
+                f"replica-{replica.port}", [*argv, *replica.args], f"http://{host}:{replica.port}/health",
+                env={API_KEY_ENV: credential},
+            )
+        )  # fmt: skip
+        launched_ids += replica_ids
+    gateway_argv = [*python, "gateway", "--config", str(path.resolve()), "--host", launch.gateway.host,
+                    "--port", str(launch.gateway.port)]  # fmt: skip
+    if launched_ids:
+        gateway_argv += ["--fleet-replicas", *launched_ids]
+    gateway_child = ChildSpec(
+        "gateway", [*gateway_argv, *launch.gateway.args], f"http://{launch.gateway.host}:{launch.gateway.port}/health",
+        env={FLEET_CREDENTIAL_ENV: credential},
+    )  # fmt: skip
+    return Fleet(path, gateway, launch, [gateway_child, *children])
 
 
-def _served_models(gateway: GatewayConfig, port: int) -> tuple[str, list[str]]:
-    """(host, model ids) of the replicas under `models:` listening locally on `port`."""
+def _local_replicas(gateway: GatewayConfig, port: int) -> tuple[str, list[str], list[str], str | None]:
+    """The replicas under `models:` listening locally on `port`: (host, the model ids they serve, their
+    replica ids, where one already configures an api key, if any does)."""
     host = "127.0.0.1"
     served: list[str] = []
+    replica_ids: list[str] = []
+    keyed = None
     for name, model in gateway.models.items():
-        for deployment in model.deployments:
-            for replica in deployment.replicas:
+        for d_index, deployment in enumerate(model.deployments):
+            for r_index, replica in enumerate(deployment.replicas):
                 url = urlsplit(replica.url)
                 if url.hostname in LOCAL_HOSTS and (url.port or (443 if url.scheme == "https" else 80)) == port:
                     host = url.hostname
+                    replica_ids.append(replica.replica_id)
                     upstream = deployment.model or name
                     if upstream not in served:
                         served.append(upstream)
-    return host, served
+                    if deployment.sets_api_key:
+                        keyed = f"the api key of models.{name}.deployments[{d_index}]"
+                    if replica.sets_api_key:
+                        keyed = f"the api key of models.{name}.deployments[{d_index}].replicas[{r_index}]"
+    return host, served, replica_ids, keyed

@@ -106,7 +106,7 @@ class Supervisor:
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **child.spec.env},
                     limit=OUTPUT_LINE_LIMIT,
                 )
             except OSError as exc:

@@ -19,11 +19,13 @@ Shape (every section but `models` is optional):
             model: tiny-v1              # the model id the replicas serve (sent upstream as `model`)
             version: v1
             weight: 90                  # traffic share among this model's deployments (canaries)
+            api_key_env: REPLICA_KEY    # the replicas' own key (vLLM --api-key), for all its replicas
             replicas:
               - url: http://127.0.0.1:8001
                 region: us-east
                 labels: {hw: cpu}
                 capacity: 8             # max concurrent requests the gateway sends it
+                api_key: <key>          # or per replica, overriding the deployment's (api_key_env too)
     keys:
       store: keys.db                    # SQLite key store (relative to this file); `ember keys` writes it
       inline:
@@ -35,7 +37,9 @@ Shape (every section but `models` is optional):
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,6 +57,8 @@ from pydantic import (
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
 
+# `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
+FLEET_CREDENTIAL_ENV = "EMBER_FLEET_CREDENTIAL"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 ROUTING_POLICIES = (
     "round-robin",
@@ -71,7 +77,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ReplicaConfig(_Strict):
+class _ReplicaCredential(_Strict):
+    """The key the gateway sends a replica as `Authorization: Bearer <key>` (a replica started with
+    vLLM's or `ember serve`'s --api-key). Never a client's key: those stay at the gateway."""
+
+    api_key: str | None = Field(default=None, repr=False, description="The replica's key itself")
+    api_key_env: str | None = Field(default=None, description="Environment variable holding the replica's key")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _ReplicaCredential:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
+        return self
+
+    @property
+    def sets_api_key(self) -> bool:
+        return self.api_key is not None or self.api_key_env is not None
+
+    @property
+    def replica_api_key(self) -> str | None:
+        if self.api_key_env is not None:
+            return os.environ[self.api_key_env]
+        return self.api_key
+
+
+class ReplicaConfig(_ReplicaCredential):
     url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000")
     id: str | None = Field(default=None, description="Stable name in metrics and logs; defaults to the URL")
     region: str | None = None
@@ -90,7 +122,7 @@ class ReplicaConfig(_Strict):
         return self.id or self.url
 
 
-class DeploymentConfig(_Strict):
+class DeploymentConfig(_ReplicaCredential):
     name: str = "default"
     model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
     version: str | None = None
@@ -347,3 +379,26 @@ def load_config(path: str | Path) -> GatewayConfig:
     except yaml.YAMLError as exc:
         raise GatewayConfigError(f"{path}: not valid YAML: {exc}") from None
     return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def with_replica_api_keys(config: GatewayConfig, api_keys: Mapping[str, str]) -> GatewayConfig:
+    """`config` with the replicas named by id in `api_keys` carrying those keys (in place of any they
+    had): how `ember up`'s gateway learns the service credential of the replicas it launched."""
+    known = {replica.replica_id for model in config.models.values() for d in model.deployments for replica in d.replicas}
+    unknown = sorted(set(api_keys) - known)
+    if unknown:
+        raise GatewayConfigError(f"no replica under models has the id(s): {', '.join(unknown)}")
+
+    def keyed(replica: ReplicaConfig) -> ReplicaConfig:
+        if replica.replica_id not in api_keys:
+            return replica
+        return replica.model_copy(update={"api_key": api_keys[replica.replica_id], "api_key_env": None})
+
+    models = {
+        name: model.model_copy(update={"deployments": [
+            deployment.model_copy(update={"replicas": [keyed(replica) for replica in deployment.replicas]})
+            for deployment in model.deployments
+        ]})
+        for name, model in config.models.items()
+    }  # fmt: skip
+    return config.model_copy(update={"models": models})

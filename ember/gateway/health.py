@@ -39,7 +39,9 @@ class HealthProber:
         """One probe; reports the outcome to the pool and returns whether it succeeded."""
         failure = None
         try:
-            response = await self.client.side.get(replica.url + self.config.path, timeout=self.config.timeout_s)
+            response = await self.client.side.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self.config.timeout_s
+            )
             if not 200 <= response.status_code < 300:
                 failure = f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:

@@ -77,7 +77,7 @@ class UpstreamClient:
     async def post(self, replica: Replica, endpoint: str, body: bytes) -> UpstreamResponse:
         """Send the request; response headers received. Raises UpstreamFailure."""
         try:
-            return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body)
+            return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body, replica.api_key)
         except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
 

@@ -42,6 +42,7 @@ class Replica:
     region: str | None
     labels: dict[str, str]
     capacity: int
+    api_key: str | None = field(default=None, repr=False)  # the replica's own key, never a client's
     healthy: bool = True
     outstanding: int = 0
     consecutive_failures: int = 0
@@ -49,6 +50,11 @@ class Replica:
     ejected_at: float | None = None
     ejection_reason: str | None = None
     metrics: ReplicaMetrics = field(default_factory=ReplicaMetrics)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers of every request to the replica (proxied, probes, scrapes)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def has_capacity(self) -> bool:
@@ -90,6 +96,7 @@ class ReplicaPool:
                             region=replica.region,
                             labels=dict(replica.labels),
                             capacity=replica.capacity,
+                            api_key=replica.replica_api_key or deployment.replica_api_key,
                         )
                     )
         return cls(replicas, config.health.unhealthy_threshold, config.health.healthy_threshold)

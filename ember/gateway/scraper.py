@@ -77,7 +77,9 @@ class MetricsScraper:
     async def scrape(self, replica: Replica) -> bool:
         """One scrape into `replica.metrics`; returns whether it succeeded."""
         try:
-            response = await self.client.side.get(replica.url + self.config.path, timeout=self.config.timeout_s)
+            response = await self.client.side.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self.config.timeout_s
+            )
             text = response.text
             ok = response.status_code == 200
         except httpx.HTTPError:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from ember.errors import EmberError
 
+# The default of `ember serve --api-key`; `ember up` hands its replicas their key this way, not in argv.
+API_KEY_ENV = "EMBER_API_KEY"
+
 
 @dataclass
 class ServerSettings:

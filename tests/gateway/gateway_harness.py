@@ -116,6 +116,7 @@ class FakeReplica:
         self.chunks = ["Hello", " from", " " + name]
         self.usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
         self.aborted = 0  # streams the client (the gateway) hung up on
+        self.authorizations: dict[str, set[str | None]] = {}  # path -> Authorization headers received
         self._gate: asyncio.Event | None = None
         routes = [
             Route("/v1/chat/completions", self._completion, methods=["POST"]),
@@ -124,6 +125,7 @@ class FakeReplica:
             Route("/metrics", self._metrics),
         ]
         self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port)
+        self.server.app.add_middleware(_RecordAuthorization, replica=self)
 
     @property
     def url(self) -> str:
@@ -221,6 +223,20 @@ class FakeReplica:
             raise
         finally:
             self.in_flight -= 1
+
+
+class _RecordAuthorization:
+    """Notes the Authorization header of every request a FakeReplica receives, by path."""
+
+    def __init__(self, app, replica: FakeReplica):
+        self.app = app
+        self.replica = replica
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization")
+            self.replica.authorizations.setdefault(scope["path"], set()).add(header and header.decode())
+        await self.app(scope, receive, send)
 
 
 class EmberServe:
