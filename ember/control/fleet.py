@@ -9,6 +9,9 @@ own schema) plus a `launch:` section saying which of its replicas to start local
           args: [--dtype, float32]            # more `ember serve` flags
       restart: {initial_backoff_s: 1, max_backoff_s: 30, stable_after_s: 30}
       shutdown_timeout_s: 30
+      autoscaled:                             # how to start replicas of models with an `autoscaling:` section
+        tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}
+      autoscaler: {interval_s: 2, port: 8090} # decision interval; /metrics and /status of `ember up` (optional)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
@@ -33,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ember.errors import EmberError
 from ember.gateway.config import (
     FLEET_CREDENTIAL_ENV,
+    AutoscalingConfig,
     GatewayConfig,
     GatewayConfigError,
     format_location,
@@ -77,11 +81,39 @@ class RestartPolicy(_Strict):
         return self
 
 
+class LaunchAutoscaled(_Strict):
+    model: str | None = Field(default=None, description="What `ember serve --model` loads; default: the model id")
+    args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
+    host: str = "127.0.0.1"
+    capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each replica")
+    region: str | None = None
+
+
+class LaunchAutoscaler(_Strict):
+    interval_s: float = Field(default=2.0, gt=0, description="Time between two scaling decisions")
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=1, le=65535, description="Serves /metrics and /status when set")
+
+
 class LaunchConfig(_Strict):
     gateway: LaunchGateway = Field(default_factory=LaunchGateway)
     replicas: list[LaunchReplica] = Field(default_factory=list)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="Per child, before SIGKILL")
+    autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
+    autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
+
+
+@dataclass(frozen=True)
+class AutoscaledModel:
+    """What the local provider needs to start one more replica of an autoscaled model."""
+
+    name: str  # the model name clients use
+    autoscaling: AutoscalingConfig
+    argv: list[str]  # `ember serve ...` without --host/--port, which each replica gets its own of
+    host: str
+    capacity: int
+    region: str | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +130,8 @@ class Fleet:
     gateway: GatewayConfig
     launch: LaunchConfig
     children: list[ChildSpec]  # the gateway first: it is stopped first on shutdown
+    autoscaled: dict[str, AutoscaledModel]
+    credential: str  # the service credential only the gateway holds; every replica the fleet starts requires it
 
     @property
     def gateway_url(self) -> str:
@@ -123,8 +157,10 @@ def load_fleet(path: str | Path) -> Fleet:
     children: list[ChildSpec] = []
     launched_ids: list[str] = []
     used_ports = {launch.gateway.port: "launch.gateway.port"}
-    # Threads per replica: the machine's cores shared out, unless the fleet sets --num-threads.
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
+    # Threads per replica: the machine's cores shared out among every replica that may run at once,
+    # unless the fleet sets --num-threads.
+    autoscaled_max = sum(model.autoscaling.max_replicas for model in gateway.models.values() if model.autoscaling)
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas) + autoscaled_max))
     for index, replica in enumerate(launch.replicas):
         where = f"{path}: launch.replicas[{index}]"
         if replica.port in used_ports:
@@ -164,7 +200,33 @@ def load_fleet(path: str | Path) -> Fleet:
         "gateway", [*gateway_argv, *launch.gateway.args], f"http://{launch.gateway.host}:{launch.gateway.port}/health",
         env={FLEET_CREDENTIAL_ENV: credential},
     )  # fmt: skip
-    return Fleet(path, gateway, launch, [gateway_child, *children])
+    autoscaled = _autoscaled_models(path, gateway, launch, python, threads)
+    return Fleet(path, gateway, launch, [gateway_child, *children], autoscaled, credential)
+
+
+def _autoscaled_models(
+    path: Path, gateway: GatewayConfig, launch: LaunchConfig, python: list[str], threads_per_replica: int
+) -> dict[str, AutoscaledModel]:
+    for name in launch.autoscaled:
+        model = gateway.models.get(name)
+        if model is None or model.autoscaling is None:
+            raise FleetError(f"{path}: launch.autoscaled.{name}: names no model with an autoscaling section")
+    models: dict[str, AutoscaledModel] = {}
+    for name, model in gateway.models.items():
+        if model.autoscaling is None:
+            continue
+        how = launch.autoscaled.get(name) or LaunchAutoscaled()
+        if how.region is not None and gateway.regions and how.region not in gateway.regions:
+            raise FleetError(f"{path}: launch.autoscaled.{name}.region: {how.region!r} is not declared under regions")
+        upstream = model.deployments[0].model or name
+        source = how.model or upstream
+        if not Path(source).is_absolute() and (path.parent / source).exists():
+            source = str((path.parent / source).resolve())
+        argv = [*python, "serve", "--model", source, "--served-model-name", upstream]
+        if "--num-threads" not in how.args:
+            argv += ["--num-threads", str(threads_per_replica)]
+        models[name] = AutoscaledModel(name, model.autoscaling, [*argv, *how.args], how.host, how.capacity, how.region)
+    return models
 
 
 def _local_replicas(gateway: GatewayConfig, port: int) -> tuple[str, list[str], list[str], str | None]:

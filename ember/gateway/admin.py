@@ -5,33 +5,79 @@
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
     GET    /admin/replicas                      health, load and ejection state of every replica
+    POST   /admin/replicas                      {model, url, id, region, labels, capacity, deployment}: a new
+                                                replica joins routing after its first successful probe
+    DELETE /admin/replicas/{id}[?timeout_s=30]  leaves routing at once, answers once its requests finish
+
+Besides the admin key, the control token `ember up` hands its gateway in EMBER_GATEWAY_CONTROL_TOKEN
+is accepted: it is how the autoscaler registers the replicas it starts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import os
+import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from ember.gateway.config import KeyPolicy
+from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
-from ember.gateway.keys import KeyStore, KeyStoreError
+from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer
+from ember.gateway.replicas import Replica
+
+CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
+DRAIN_POLL_S = 0.05
 
 
 class NewKey(KeyPolicy):
     name: str
 
 
+class ReplicaRegistration(ReplicaConfig):
+    model: str
+    deployment: str | None = None  # default: the model's first (an autoscaled model's only) deployment
+
+
+def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
+    return {
+        "id": replica.id,
+        "url": replica.url,
+        "model": replica.model,
+        "deployment": replica.deployment,
+        "version": replica.version,
+        "region": replica.region,
+        "state": "draining" if draining else "ready" if replica.healthy else "ejected",
+        "healthy": replica.healthy,
+        "ejection_reason": replica.ejection_reason,
+        "outstanding": replica.outstanding,
+        "capacity": replica.capacity,
+        "metrics": {
+            "waiting": replica.metrics.waiting,
+            "running": replica.metrics.running,
+            "kv_usage": replica.metrics.kv_usage,
+            "prefix_cache_hits": replica.metrics.prefix_cache_hits,
+        },
+    }
+
+
 def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
+    control_token = os.environ.get(CONTROL_TOKEN_ENV) or None
+
     def require_admin(request: Request) -> None:
+        authorization = request.headers.get("authorization")
+        if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
+            return
         if dispatcher.config.admin_key_sha256 is None:
             raise GatewayError(
                 403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
                 "admin_disabled",
             )  # fmt: skip
-        if not dispatcher.keys.is_admin(request.headers.get("authorization")):
+        if not dispatcher.keys.is_admin(authorization):
             raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
     def store() -> KeyStore:
@@ -74,27 +120,50 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
 
     @router.get("/replicas")
     async def replicas() -> JSONResponse:
-        data = [
-            {
-                "id": replica.id,
-                "url": replica.url,
-                "model": replica.model,
-                "deployment": replica.deployment,
-                "version": replica.version,
-                "region": replica.region,
-                "healthy": replica.healthy,
-                "ejection_reason": replica.ejection_reason,
-                "outstanding": replica.outstanding,
-                "capacity": replica.capacity,
-                "metrics": {
-                    "waiting": replica.metrics.waiting,
-                    "running": replica.metrics.running,
-                    "kv_usage": replica.metrics.kv_usage,
-                    "prefix_cache_hits": replica.metrics.prefix_cache_hits,
-                },
-            }
-            for replica in dispatcher.pool.all()
-        ]
+        data = [replica_state(replica) for replica in dispatcher.pool.all()]
+        data += [replica_state(replica, draining=True) for replica in dispatcher.pool.draining()]
         return JSONResponse({"object": "list", "data": data})
+
+    @router.post("/replicas", status_code=201)
+    async def register_replica(registration: ReplicaRegistration) -> dict[str, Any]:
+        model = dispatcher.config.models.get(registration.model)
+        if model is None:
+            raise GatewayError(404, f"The model `{registration.model}` does not exist.", code="model_not_found", param="model")
+        deployment = next(
+            (d for d in model.deployments if registration.deployment in (None, d.name)), None
+        )
+        if deployment is None:
+            raise GatewayError(
+                404, f"Model `{registration.model}` has no deployment {registration.deployment!r}.",
+                code="deployment_not_found", param="deployment",
+            )  # fmt: skip
+        if dispatcher.pool.get(registration.replica_id) is not None:
+            raise GatewayError(409, f"Replica {registration.replica_id!r} is already registered.", code="replica_exists", param="id")
+        replica = Replica(
+            id=registration.replica_id,
+            url=registration.url,
+            model=registration.model,
+            upstream_model=deployment.model or registration.model,
+            deployment=deployment.name,
+            version=deployment.version,
+            weight=deployment.weight,
+            region=registration.region,
+            labels=dict(registration.labels),
+            capacity=registration.capacity,
+        )
+        dispatcher.pool.add(replica)
+        await dispatcher.health.probe(replica)  # admitted now if it already answers, else by the prober later
+        return replica_state(replica)
+
+    @router.delete("/replicas/{replica_id:path}")
+    async def deregister_replica(replica_id: str, timeout_s: float = Query(default=30.0, ge=0)) -> dict[str, Any]:
+        replica = dispatcher.pool.remove(replica_id)
+        if replica is None:
+            raise GatewayError(404, f"No replica {replica_id!r} is registered.", code="replica_not_found")
+        deadline = time.monotonic() + timeout_s
+        while replica.outstanding > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        dispatcher.pool.forget_drained(replica)
+        return {**replica_state(replica), "state": "removed", "drained": replica.outstanding == 0}
 
     return router

@@ -48,19 +48,27 @@ class AdmissionQueue:
         return len(self._waiters.get(model, ()))
 
     async def acquire(
-        self, model: str, priority: int, deadline: float, select: Callable[[], Replica | None]
+        self,
+        model: str,
+        priority: int,
+        deadline: float,
+        select: Callable[[], Replica | None],
+        max_size: int | None = None,
     ) -> Replica:
-        """A replica with a free slot, already acquired in the pool. `deadline` is time.monotonic()."""
+        """A replica with a free slot, already acquired in the pool. `deadline` is time.monotonic();
+        `max_size` replaces the queue's own limit for this arrival (the hold limit of a model that
+        is scaling from zero)."""
         waiters = self._waiters.setdefault(model, [])
         if not waiters:
             replica = select()
             if replica is not None:
                 self.pool.acquire(replica)
                 return replica
-        if len(waiters) >= self.max_size:
+        limit = self.max_size if max_size is None else max_size
+        if len(waiters) >= limit:
             raise GatewayError(
                 429,
-                f"The queue for model {model!r} is full ({self.max_size} waiting requests); retry later.",
+                f"The queue for model {model!r} is full ({limit} waiting requests); retry later.",
                 "requests",
                 "queue_full",
                 headers={"retry-after": "1"},

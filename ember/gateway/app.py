@@ -291,8 +291,9 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
 
     @api.get("/ready")
     async def ready() -> JSONResponse:
-        models = {model: len(dispatcher.pool.healthy(model)) for model in dispatcher.pool.models}
-        is_ready = all(models.values())
+        models = {model: len(dispatcher.pool.healthy(model)) for model in dispatcher.config.models}
+        # An autoscaled model without replicas is ready: it holds requests while one starts.
+        is_ready = all(count or dispatcher.config.models[model].autoscaling for model, count in models.items())
         return JSONResponse(
             {"status": "ready" if is_ready else "not_ready", "healthy_replicas": models},
             status_code=200 if is_ready else 503,

@@ -14,6 +14,7 @@ Shape (every section but `models` is optional):
     models:
       tiny:                             # the name clients send as `model`
         routing: {policy: least-outstanding}
+        autoscaling: {...}              # `ember up` starts/stops this model's replicas (AutoscalingConfig)
         deployments:
           - name: stable
             model: tiny-v1              # the model id the replicas serve (sent upstream as `model`)
@@ -127,7 +128,37 @@ class DeploymentConfig(_ReplicaCredential):
     model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
     version: str | None = None
     weight: float = Field(default=1.0, ge=0)
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    # Empty only for an autoscaled model, whose replicas the autoscaler starts and registers.
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+
+
+class AutoscalingConfig(_Strict):
+    """A model whose replica count follows its load (ember.control.autoscaling): enough replicas to
+    keep the p90 objectives, as few as possible, none at all after `scale_to_zero_after_s` idle when
+    `min_replicas` is 0 (the gateway then holds arriving requests while one starts)."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(ge=1)
+    ttft_p90_ms: float = Field(gt=0, description="Objective: p90 time to first token at the gateway")
+    itl_p90_ms: float = Field(gt=0, description="Objective: p90 inter-token latency on the replicas")
+    queue_wait_p90_ms: float | None = Field(default=None, gt=0, description="Objective: p90 gateway queue wait")
+    scale_up_delay_s: float = Field(default=0.0, ge=0, description="How long a breach lasts before scaling up")
+    scale_down_delay_s: float = Field(default=60.0, ge=0, description="How long one replica fewer must suffice")
+    scale_to_zero_after_s: float = Field(default=300.0, gt=0, description="Idle time before 1 -> 0 (min 0 only)")
+    cost_per_replica_hour: float = Field(default=0.0, ge=0, description="For reports")
+    stable_window_s: float = Field(default=30.0, gt=0, description="Window of the p90s that scale up and down")
+    panic_window_s: float = Field(default=6.0, gt=0, description="Short window that only scales up")
+    hold_limit: int = Field(default=64, ge=0, description="Requests held while the model has no ready replica")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        if self.panic_window_s > self.stable_window_s:
+            raise ValueError(
+                f"panic_window_s ({self.panic_window_s}) is longer than stable_window_s ({self.stable_window_s})"
+            )
+        return self
 
 
 class RoutingConfig(_Strict):
@@ -141,6 +172,7 @@ class RoutingConfig(_Strict):
 class GatewayModelConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     deployments: list[DeploymentConfig] = Field(min_length=1)
+    autoscaling: AutoscalingConfig | None = None
 
     @model_validator(mode="after")
     def _unique_deployments(self) -> GatewayModelConfig:
@@ -303,6 +335,7 @@ class GatewayConfig(_Strict):
                     problems.append(f"regions.{region}.latency_ms names undeclared region {other!r}")
         seen_ids: dict[str, str] = {}
         for model_name, model in self.models.items():
+            problems.extend(_replica_source_problems(model_name, model))
             for d_index, deployment in enumerate(model.deployments):
                 for r_index, replica in enumerate(deployment.replicas):
                     where = f"models.{model_name}.deployments[{d_index}].replicas[{r_index}]"
@@ -327,6 +360,25 @@ class GatewayConfig(_Strict):
         if backward is not None and source in backward.latency_ms:
             return backward.latency_ms[source]
         return float("inf")
+
+
+def _replica_source_problems(model_name: str, model: GatewayModelConfig) -> list[str]:
+    """A model's replicas are either listed (static) or started by the autoscaler, never both."""
+    if model.autoscaling is None:
+        return [
+            f"models.{model_name}.deployments[{index}].replicas: list at least one replica, or give the model "
+            "an autoscaling section"
+            for index, deployment in enumerate(model.deployments)
+            if not deployment.replicas
+        ]
+    if len(model.deployments) != 1:
+        return [f"models.{model_name}.deployments: an autoscaled model has exactly one deployment, its replicas join it"]
+    if model.deployments[0].replicas:
+        return [
+            f"models.{model_name}.deployments[0].replicas: must be empty for an autoscaled model "
+            "(the autoscaler starts and registers its replicas)"
+        ]
+    return []
 
 
 def format_location(loc: tuple[str | int, ...]) -> str:

@@ -143,9 +143,20 @@ class Dispatcher:
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
         if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
-            raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
+            # An autoscaled model holds a first attempt in its queue while the autoscaler, which sees
+            # the queue, starts a replica (activator); once one is admitted the queue wakes it.
+            if self.config.models[ctx.model].autoscaling is None or exclude:
+                raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
+            return None
         replica = self.router.select(ctx.model, ctx, exclude)
         return replica if replica is not None and replica.has_capacity else None
+
+    def _hold_limit(self, model: str) -> int | None:
+        """How many requests an autoscaled model with no ready replica holds (None: the queue's limit)."""
+        autoscaling = self.config.models[model].autoscaling
+        if autoscaling is None or self.pool.healthy(model):
+            return None
+        return autoscaling.hold_limit
 
     def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
         """The body for the replica: its model name, the engine priority of the request's tier in
@@ -184,7 +195,7 @@ class Dispatcher:
             ctx.attempt = attempt
             try:
                 replica = await self.queue.acquire(
-                    ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude)
+                    ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude), self._hold_limit(ctx.model)
                 )
             except GatewayError:
                 if last_failure is not None:

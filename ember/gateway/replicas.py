@@ -14,7 +14,7 @@ from typing import Literal
 
 from ember.gateway.config import GatewayConfig
 
-PoolEvent = Literal["eject", "readmit", "release"]
+PoolEvent = Literal["eject", "readmit", "release", "remove"]
 PoolListener = Callable[[PoolEvent, "Replica"], None]
 
 
@@ -77,6 +77,8 @@ class ReplicaPool:
         self.unhealthy_threshold = unhealthy_threshold
         self.healthy_threshold = healthy_threshold
         self._listeners: list[PoolListener] = []
+        # Removed from routing, still finishing the requests they had (dynamic deregistration).
+        self._draining: dict[str, Replica] = {}
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> ReplicaPool:
@@ -121,6 +123,31 @@ class ReplicaPool:
 
     def all(self) -> list[Replica]:
         return list(self._by_id.values())
+
+    def draining(self) -> list[Replica]:
+        return list(self._draining.values())
+
+    # --- membership (static replicas come from the config; the autoscaler adds and removes more) ---
+
+    def add(self, replica: Replica) -> None:
+        """A new replica, ejected until its first successful health probe admits it."""
+        replica.healthy = False
+        replica.ejection_reason = "awaiting_first_probe"
+        self._by_model.setdefault(replica.model, []).append(replica)
+        self._by_id[replica.id] = replica
+
+    def remove(self, replica_id: str) -> Replica | None:
+        """Takes a replica out of routing at once; it stays listed as draining until `forget_drained`."""
+        replica = self._by_id.pop(replica_id, None)
+        if replica is None:
+            return None
+        self._by_model[replica.model].remove(replica)
+        self._draining[replica.id] = replica
+        self._notify("remove", replica)
+        return replica
+
+    def forget_drained(self, replica: Replica) -> None:
+        self._draining.pop(replica.id, None)
 
     # --- capacity ------------------------------------------------------------------------------
 

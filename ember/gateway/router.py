@@ -93,9 +93,9 @@ class Router:
         )
 
     def _on_pool_event(self, event: PoolEvent, replica: Replica) -> None:
-        # An ejected replica usually comes back restarted, its KV cache empty: stop steering
-        # prefixes to it on the strength of what it held before.
-        if event == "eject":
+        # An ejected replica usually comes back restarted, its KV cache empty, and a removed one
+        # never comes back: stop steering prefixes to it on the strength of what it held before.
+        if event in ("eject", "remove"):
             forget = getattr(self._policies.get(replica.model), "forget", None)
             if forget is not None:
                 forget(replica.id)

@@ -1,0 +1,1 @@
+"""SLA autoscaling: the policy (pure), the replica providers, and the loop `ember up` runs."""
