@@ -91,3 +91,10 @@ def test_another_content_type_is_415(url, content_type):
 def test_the_415_tells_curl_users_what_to_add(url):
     response = post(url, {"authorization": f"Bearer {SECRET}", "content-type": "application/x-www-form-urlencoded"})
     assert response.json()["error"]["message"].endswith("add -H 'Content-Type: application/json'.)")
+
+
+def test_the_gateways_other_json_routes_follow_the_rule(gateway_url):
+    response = httpx.post(
+        f"{gateway_url}/admin/keys", headers={"content-type": "text/plain"}, content=b'{"name": "x"}', timeout=30
+    )
+    assert_error(response, 415, "unsupported_media_type")
