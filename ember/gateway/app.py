@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.gateway.admin import build_admin_router
+from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
@@ -326,7 +326,9 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
         )
 
     @api.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if dispatcher.config.metrics.require_auth:
+            require_admin(dispatcher, request.headers.get("authorization"))
         return Response(dispatcher.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/v1/models")

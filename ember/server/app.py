@@ -133,7 +133,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # Added innermost first: AccessLog ends up outermost, so it sees every status (413, 401, 503 too).
     app.add_middleware(DrainGate, lifecycle=lifecycle, paths=GENERATION_PATHS)
     if settings.api_key:
-        app.add_middleware(APIKeyAuth, api_key=settings.api_key)
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key, protect_metrics=settings.metrics_require_auth)
     app.add_middleware(JSONContentType, paths=JSON_POST_PATHS)  # as the gateway: 415 before 401
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(AccessLog)

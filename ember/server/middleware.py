@@ -139,16 +139,18 @@ class BodySizeLimit:
 
 
 class APIKeyAuth:
-    """Requires `Authorization: Bearer <key>` (ember.http_rules) on the API paths; compared in constant time."""
+    """Requires `Authorization: Bearer <key>` (ember.http_rules) on the API paths, and on /metrics with
+    `protect_metrics`; compared in constant time."""
 
     PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self._expected = api_key.encode()
+        self._prefixes = self.PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"].startswith(self._prefixes):
             provided = (parse_bearer(_header(scope, b"authorization")) or "").encode()
             if not hmac.compare_digest(provided, self._expected):
                 error = APIError(
