@@ -37,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(default: ${API_KEY_ENV}, else no key)",
     )
     group.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="require the --api-key on /metrics as well (default: /metrics is open, as Prometheus scrapes it)",
+    )
+    group.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or [args.model]),
         api_key=args.api_key or None,
+        metrics_require_auth=args.metrics_require_auth,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         queue_timeout=args.queue_timeout,

@@ -65,20 +65,24 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
     }
 
 
-def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
+def require_admin(dispatcher: Dispatcher, authorization: str | None) -> None:
+    """The admin API's guard (and /metrics' with `metrics.require_auth`): the admin key, the control token
+    `ember up` hands its gateway, or a 401/403."""
     control_token = os.environ.get(CONTROL_TOKEN_ENV) or None
+    if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
+        return
+    if dispatcher.config.admin_key_sha256 is None:
+        raise GatewayError(
+            403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
+            "admin_disabled",
+        )  # fmt: skip
+    if not dispatcher.keys.is_admin(authorization):
+        raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
-    def require_admin(request: Request) -> None:
-        authorization = request.headers.get("authorization")
-        if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
-            return
-        if dispatcher.config.admin_key_sha256 is None:
-            raise GatewayError(
-                403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
-                "admin_disabled",
-            )  # fmt: skip
-        if not dispatcher.keys.is_admin(authorization):
-            raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
+
+def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
+    def admin_only(request: Request) -> None:
+        require_admin(dispatcher, request.headers.get("authorization"))
 
     def store() -> KeyStore:
         if dispatcher.store is None:
@@ -87,7 +91,7 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
             )
         return dispatcher.store
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+    router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
     @router.get("/keys")
     async def list_keys(include_revoked: bool = False) -> dict[str, Any]:

@@ -19,13 +19,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember import sse
-from ember.gateway.admin import build_admin_router
+from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.request_body import parse_json_object
+from ember.http_rules import (
+    UNSUPPORTED_MEDIA_TYPE,
+    UNSUPPORTED_MEDIA_TYPE_CODE,
+    is_json_content_type,
+    unsupported_media_type_message,
+)
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
+# POST routes of the FastAPI side whose body is JSON (/v1/files takes a multipart upload).
+JSON_POST_PREFIXES = ("/v1/async/", "/v1/batches", "/admin/")
 SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
     (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
@@ -70,6 +78,13 @@ class GatewayApp:
             if endpoint is not None and scope["method"] == "POST":
                 await self._proxy(scope, receive, send, endpoint)
                 return
+            if scope["method"] == "POST" and scope["path"].startswith(JSON_POST_PREFIXES):
+                content_type = next((value for name, value in scope["headers"] if name == b"content-type"), None)
+                try:
+                    check_json_content_type(content_type)
+                except GatewayError as exc:
+                    await send_error(send, exc)
+                    return
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -103,10 +118,12 @@ class GatewayApp:
     # --- the hot path ---------------------------------------------------------------------------
 
     async def _proxy(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
-        authorization = priority = deadline = region = session = None
+        authorization = content_type = priority = deadline = region = session = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
+            elif name == b"content-type":
+                content_type = value
             elif name.startswith(b"x-ember-"):
                 if name == b"x-ember-priority":
                     priority = value
@@ -118,6 +135,7 @@ class GatewayApp:
                     session = value.decode("latin-1")
         watcher: DisconnectWatcher | None = None
         try:
+            check_json_content_type(content_type)
             principal = self.dispatcher.authenticate(authorization)
             raw_body = await self._read_body(receive)
             body = parse_json_object(raw_body)
@@ -234,6 +252,13 @@ async def send_error(send: Callable, exc: GatewayError) -> None:
     await send({"type": "http.response.body", "body": exc.to_json()})
 
 
+def check_json_content_type(content_type: bytes | None) -> None:
+    """ember.http_rules' Content-Type rule for a JSON route, as a GatewayError."""
+    value = None if content_type is None else content_type.decode("latin-1")
+    if not is_json_content_type(value):
+        raise GatewayError(UNSUPPORTED_MEDIA_TYPE, unsupported_media_type_message(value), code=UNSUPPORTED_MEDIA_TYPE_CODE)
+
+
 def parse_int_header(value: bytes | None, name: str) -> int | None:
     if value is None:
         return None
@@ -300,7 +325,9 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
         )
 
     @api.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if dispatcher.config.metrics.require_auth:
+            require_admin(dispatcher, request.headers.get("authorization"))
         return Response(dispatcher.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/v1/models")

@@ -32,6 +32,7 @@ Shape (every section but `models` is optional):
       inline:
         - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
+    metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
     launch: {...}                       # `ember up` only: local replicas to start (ember.control.fleet)
 """
@@ -288,6 +289,15 @@ class QueueConfig(_Strict):
     default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
 
 
+class MetricsConfig(_Strict):
+    """The gateway's own `GET /metrics`."""
+
+    require_auth: bool = Field(default=False, description="Serve /metrics only to the admin key")
+    key_labels: Literal["name", "id", "none"] = Field(
+        default="name", description="What the `key` label of per-key metrics holds: the key's name, its id, or nothing"
+    )
+
+
 class GatewayConfig(_Strict):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
@@ -300,6 +310,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     # `ember up`'s section (which local replicas to start, and how); the gateway ignores it and
     # ember.control.fleet validates it, so one fleet file serves both.
@@ -327,6 +338,8 @@ class GatewayConfig(_Strict):
     def _cross_references(self) -> GatewayConfig:
         known = set(self.regions)
         problems: list[str] = []
+        if self.metrics.require_auth and self.admin_key_sha256 is None:
+            problems.append("metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics")
         if self.listener_region is not None and known and self.listener_region not in known:
             problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
         for region, region_config in self.regions.items():

@@ -52,7 +52,7 @@ class Dispatcher:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.pool = ReplicaPool.from_config(config)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.metrics.key_labels)
         self.metrics.watch_pool(self.pool)
         self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
         self.keys = KeyRing(config, self.store)
@@ -106,7 +106,7 @@ class Dispatcher:
             raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         policy = principal.policy
         if not policy.allows_model(model):
-            self.metrics.request_count(model, principal.name, "", "403").inc()
+            self.metrics.request_count(model, self.metrics.key_label(principal), "", "403").inc()
             raise GatewayError(
                 403, f"API key {principal.name!r} may not use model `{model}`.", "permission_error",
                 "model_not_allowed", "model",
@@ -128,15 +128,16 @@ class Dispatcher:
             estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
             admission = self.limiter.admit(principal, estimate)
         except GatewayError as exc:
-            self.metrics.rate_limited.labels(principal.name, exc.type).inc()
-            self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
+            key = self.metrics.key_label(principal)
+            self.metrics.rate_limited.labels(key, exc.type).inc()
+            self.metrics.request_count(model, key, "", str(exc.status)).inc()
             raise
         try:
             return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
-            self.metrics.request_count(model, principal.name, "", status).inc()
+            self.metrics.request_count(model, self.metrics.key_label(principal), "", status).inc()
             raise
 
     # --- internals -----------------------------------------------------------------------------
@@ -280,14 +281,15 @@ class Dispatcher:
         if result.stream and outcome == "error" and result.failure is not None:
             self.pool.mark_failure(replica, result.failure.reason, eject_now=result.failure.eject_now)
         self.pool.release(replica)
+        key = self.metrics.key_label(principal)
         prompt = completion = 0
         if usage is not None:
             prompt = int(usage.get("prompt_tokens") or 0)
             completion = int(usage.get("completion_tokens") or 0)
-            self.metrics.tokens_for(principal.name, "prompt").inc(prompt)
-            self.metrics.tokens_for(principal.name, "completion").inc(completion)
+            self.metrics.tokens_for(key, "prompt").inc(prompt)
+            self.metrics.tokens_for(key, "completion").inc(completion)
         self.usage.record(principal.key_id, prompt, completion)
         self.limiter.settle(admission, None if usage is None else prompt + completion)
         status = str(result.status) if outcome == "ok" else f"stream_{outcome}"
-        self.metrics.request_count(ctx.model, principal.name, replica.id, status).inc()
+        self.metrics.request_count(ctx.model, key, replica.id, status).inc()
         self.metrics.e2e_for(ctx.model).observe(time.monotonic() - arrival)

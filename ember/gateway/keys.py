@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ember.errors import EmberError
 from ember.gateway.config import GatewayConfig, KeyPolicy, validation_message
 from ember.gateway.errors import GatewayError
+from ember.http_rules import parse_bearer
 
 KEY_PREFIX = "sk-ember-"
 DISPLAY_CHARS = 12
@@ -194,16 +195,6 @@ class KeyStore:
         except ValidationError as exc:
             raise KeyStoreError(validation_message(f"key {row[1]!r} in {self.path}", exc)) from None
         return StoredKey(row[0], row[1], row[2], policy, row[4], row[5])
-
-
-def parse_bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        return None
-    return token
 
 
 class KeyRing:

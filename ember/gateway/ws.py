@@ -13,7 +13,8 @@ Server frames:
      "headers": {"retry-after": "2", ...}}                                  headers only when there are any
 
 Every request goes through the dispatcher (keys, limits, queue, routing) as a stream with usage.
-A malformed frame or a failed request gets an error frame; the socket stays open.
+A malformed frame, a frame over `limits.max_body_bytes` (status 413) or a failed request gets an error
+frame; the socket stays open.
 """
 
 from __future__ import annotations
@@ -33,12 +34,22 @@ REQUEST_TYPES = {"chat.completions": "chat/completions", "completions": "complet
 MAX_IN_FLIGHT = 64
 
 
+def frame_size(raw: str | bytes) -> int:
+    """The frame's size in bytes (text frames travel as UTF-8)."""
+    return len(raw) if isinstance(raw, bytes) or raw.isascii() else len(raw.encode())
+
+
+def frame_too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"The frame is larger than {limit} bytes (limits.max_body_bytes).", code="request_too_large")
+
+
 class WebSocketSession:
     def __init__(self, websocket: WebSocket, dispatcher: Any) -> None:
         self.websocket = websocket
         self.dispatcher = dispatcher
         self.principal: Principal | None = None
         self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.max_frame_bytes = dispatcher.config.limits.max_body_bytes
         self._send_lock = asyncio.Lock()
 
     async def send(self, frame: dict[str, Any]) -> None:
@@ -68,6 +79,10 @@ class WebSocketSession:
                 raw = message.get("text")
                 if raw is None:
                     raw = message.get("bytes") or b""
+                if frame_size(raw) > self.max_frame_bytes:
+                    # Held to the HTTP body limit; the frame is not parsed, so the error carries no id.
+                    await self.send_error(None, frame_too_large(self.max_frame_bytes))
+                    continue
                 await self.handle(raw)
         except WebSocketDisconnect:
             return

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -137,3 +141,25 @@ def test_speculative_decoding_serves_plain_outputs_and_counts_drafts(server, cli
         assert not any("spec_decode" in name for name in server.metrics())
     finally:
         speculative.stop()
+
+
+def test_metrics_require_auth_needs_the_api_key(launch_server, tiny_model_dir, api_key):
+    protected = launch_server(tiny_model_dir, "--api-key", api_key, "--metrics-require-auth")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.get(f"{protected.url}/metrics", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        response = httpx.get(f"{protected.url}/metrics", headers={"Authorization": f"bearer  {api_key}"})
+        assert response.status_code == 200 and "vllm:num_requests_running" in response.text
+        assert httpx.get(f"{protected.url}/health").status_code == 200  # probes stay open
+    finally:
+        protected.stop()
+
+
+def test_metrics_require_auth_without_an_api_key_is_refused_at_start(tiny_model_dir):
+    command = [sys.executable, "-m", "ember.cli", "serve", "--model", str(tiny_model_dir), "--metrics-require-auth"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "EMBER_API_KEY": ""})
+    assert finished.returncode != 0
+    assert "--metrics-require-auth needs --api-key" in finished.stderr
+    assert "Traceback" not in finished.stderr
