@@ -83,6 +83,7 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
                 "version": replica.version,
                 "region": replica.region,
                 "healthy": replica.healthy,
+                "awaiting_first_probe": replica.awaiting_first_probe,
                 "ejection_reason": replica.ejection_reason,
                 "outstanding": replica.outstanding,
                 "capacity": replica.capacity,

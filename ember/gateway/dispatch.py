@@ -142,7 +142,12 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------------
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
+        """A replica with a free slot now; None to wait in the queue (for capacity, or for a replica's
+        first successful probe); 503 when no replica can serve the request."""
+        usable = [replica for replica in self.pool.replicas(ctx.model) if replica.id not in exclude]
+        if not any(replica.healthy for replica in usable):
+            if any(replica.awaiting_first_probe for replica in usable):
+                return None
             raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
         replica = self.router.select(ctx.model, ctx, exclude)
         return replica if replica is not None and replica.has_capacity else None
@@ -186,9 +191,14 @@ class Dispatcher:
                 replica = await self.queue.acquire(
                     ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude)
                 )
-            except GatewayError:
+            except GatewayError as exc:
                 if last_failure is not None:
                     break  # no other replica to fail over to: report the replica's failure
+                if exc.code == "deadline_exceeded" and not self.pool.healthy(ctx.model):
+                    raise unavailable(
+                        f"No healthy replica is available for model `{ctx.model}`: none became healthy "
+                        "before the request's deadline."
+                    ) from None
                 raise
             route = ctx.extra.get("route")
             reason = route.reason if route is not None else ""
