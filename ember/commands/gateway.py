@@ -8,6 +8,8 @@ import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from ember.http_protocol import DEFAULT_HEADER_TIMEOUT_S
+
     parser = subparsers.add_parser(
         "gateway",
         help="Run the gateway in front of OpenAI-compatible replicas (ember serve, vLLM, SGLang, llama.cpp)",
@@ -31,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "read from $EMBER_FLEET_CREDENTIAL (`ember up` passes both)",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="Seconds a connection gets to send complete request headers before it is closed (default %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -46,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from ember.gateway.app import create_app
     from ember.gateway.config import FLEET_CREDENTIAL_ENV, load_config, with_replica_api_keys
     from ember.gateway.protocols import protocol_extensions
+    from ember.http_protocol import header_timeout_protocol
 
+    http_protocol = header_timeout_protocol(args.header_timeout)
     config = load_config(args.config)  # a bad file fails here, before anything listens
     if args.fleet_replicas:
         credential = os.environ.get(FLEET_CREDENTIAL_ENV)
@@ -62,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         proxy_headers=False,  # the gateway never reads the client address; skip the middleware per request
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=http_protocol,
         timeout_graceful_shutdown=10,
     )
     return 0

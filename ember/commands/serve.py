@@ -11,6 +11,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ember.engine.args import EngineArgs
+    from ember.http_protocol import DEFAULT_HEADER_TIMEOUT_S
     from ember.server.settings import API_KEY_ENV
 
     parser = subparsers.add_parser(
@@ -72,6 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="largest request body accepted; larger gets 413 (default: %(default)s)",
     )
     group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection gets to send complete request headers before it is closed "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         choices=LOG_LEVELS,
@@ -85,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.engine.args import EngineArgs
     from ember.engine.async_engine import AsyncEngine
+    from ember.http_protocol import header_timeout_protocol
     from ember.server.app import create_app
     from ember.server.lifecycle import DrainingServer
     from ember.server.settings import ServerSettings
@@ -102,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
     )
+    http_protocol = header_timeout_protocol(args.header_timeout)
     engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args))
     app = create_app(engine, settings)
     config = uvicorn.Config(
@@ -109,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=http_protocol,
         access_log=False,  # ember.access writes one structured line per request instead
         lifespan="on",
         timeout_graceful_shutdown=5,  # after our own drain, only idle keep-alive connections remain

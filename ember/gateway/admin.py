@@ -43,6 +43,14 @@ class ReplicaRegistration(ReplicaConfig):
     deployment: str | None = None  # default: the model's first (an autoscaled model's only) deployment
 
 
+def _replica_state_name(replica: Replica, draining: bool) -> str:
+    if draining:
+        return "draining"
+    if replica.awaiting_first_probe:
+        return "loading"
+    return "ready" if replica.healthy else "ejected"
+
+
 def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
     return {
         "id": replica.id,
@@ -51,8 +59,9 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
         "deployment": replica.deployment,
         "version": replica.version,
         "region": replica.region,
-        "state": "draining" if draining else "ready" if replica.healthy else "ejected",
+        "state": _replica_state_name(replica, draining),
         "healthy": replica.healthy,
+        "awaiting_first_probe": replica.awaiting_first_probe,
         "ejection_reason": replica.ejection_reason,
         "outstanding": replica.outstanding,
         "capacity": replica.capacity,

@@ -143,7 +143,13 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------------
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
+        """A replica with a free slot now; None to wait in the queue (for capacity, for a replica's first
+        successful probe, or, for an autoscaled model, for the replica the autoscaler starts); 503 when no
+        replica can serve the request."""
+        usable = [replica for replica in self.pool.replicas(ctx.model) if replica.id not in exclude]
+        if not any(replica.healthy for replica in usable):
+            if any(replica.awaiting_first_probe for replica in usable):
+                return None
             # An autoscaled model holds a first attempt in its queue while the autoscaler, which sees
             # the queue, starts a replica (activator); once one is admitted the queue wakes it.
             if self.config.models[ctx.model].autoscaling is None or exclude:
@@ -198,9 +204,14 @@ class Dispatcher:
                 replica = await self.queue.acquire(
                     ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude), self._hold_limit(ctx.model)
                 )
-            except GatewayError:
+            except GatewayError as exc:
                 if last_failure is not None:
                     break  # no other replica to fail over to: report the replica's failure
+                if exc.code == "deadline_exceeded" and not self.pool.healthy(ctx.model):
+                    raise unavailable(
+                        f"No healthy replica is available for model `{ctx.model}`: none became healthy "
+                        "before the request's deadline."
+                    ) from None
                 raise
             route = ctx.extra.get("route")
             reason = route.reason if route is not None else ""

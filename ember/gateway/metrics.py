@@ -26,7 +26,9 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["model", "replica", "deployment", "region"]
-        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 if the replica is admitted, 0 if ejected", labels=labels)
+        healthy = GaugeMetricFamily(
+            PREFIX + "replica_healthy", "1 if the replica is admitted, 0 if ejected or not yet admitted", labels=labels
+        )
         outstanding = GaugeMetricFamily(
             PREFIX + "replica_outstanding", "Requests the gateway has in flight on the replica", labels=labels
         )

@@ -30,7 +30,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ember.gateway.app import GatewayApp, create_app
-from ember.gateway.config import parse_config
+from ember.gateway.config import GatewayConfig, parse_config
+from ember.gateway.replicas import ReplicaPool
 
 # One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip.
 http = httpx.Client(timeout=60)
@@ -49,6 +50,14 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def admitted_pool(config: GatewayConfig) -> ReplicaPool:
+    """The replicas of `config` as after a first round of passing health probes (routing tests)."""
+    pool = ReplicaPool.from_config(config)
+    for replica in pool.all():
+        pool.mark_success(replica)
+    return pool
 
 
 def sha256(text: str) -> str:

@@ -87,8 +87,8 @@ def test_past_the_hold_limit_requests_get_429_with_retry_after(gateway, fake):
 def test_a_replica_joins_routing_only_after_a_successful_probe(gateway, fake):
     fake.health_status = 503
     joined = register(gateway.url, fake)
-    assert joined.status_code == 201 and joined.json()["state"] == "ejected"
-    assert joined.json()["ejection_reason"] == "awaiting_first_probe"
+    assert joined.status_code == 201 and joined.json()["state"] == "loading"
+    assert joined.json()["awaiting_first_probe"] and joined.json()["ejection_reason"] is None
     listed = http.get(gateway.url + "/admin/replicas", headers=CONTROL).json()["data"]
     assert [(replica["id"], replica["healthy"]) for replica in listed] == [("r1", False)]
     fake.health_status = 200

@@ -129,17 +129,9 @@ class Fleet:
         )  # fmt: skip
 
     def wait_until_serving(self) -> None:
-        # The gateway admits configured replicas optimistically until probes fail, so first wait for the
-        # replicas themselves (loading the model can take a minute on a busy machine), then for admission.
-        wait_for(lambda: self.replica_up(self.url_a) and self.replica_up(self.url_b), "both replicas to answer /health")
+        # The gateway admits each replica at its first passing health probe (loading the model can take
+        # a minute on a busy machine); a request sent earlier would wait in the gateway's queue.
         wait_for(lambda: self.admitted("cache-a", "cache-b", "geo-east", "geo-west"), "the gateway to admit both replicas")
-
-    @staticmethod
-    def replica_up(url: str) -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def chat(self, model: str, system: str, question: str, region: str | None = None) -> tuple[str, str]:
         """(replica id from x-ember-replica, reply text)."""

@@ -7,9 +7,9 @@ import time
 from collections import Counter
 
 import pytest
+from gateway_harness import admitted_pool
 
 from ember.gateway.config import GatewayConfigError, parse_config
-from ember.gateway.replicas import ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.routing.least_outstanding import LeastOutstandingPolicy
@@ -37,7 +37,7 @@ def make_pool(replica_count: int, capacity: int = 8, policy: str = "round-robin"
             }
         }
     )
-    return config, ReplicaPool.from_config(config)
+    return config, admitted_pool(config)
 
 
 def chat(text: str = "hello", session: str | None = None) -> RequestContext:
@@ -238,7 +238,7 @@ def test_session_affinity_is_stable_and_moves_only_the_sessions_of_a_leaving_rep
     spread = Counter(before.values())
     assert set(spread) == {"r0", "r1", "r2", "r3"} and min(spread.values()) > 60
     # A second router (another gateway instance, another process seed) agrees.
-    other = Router(config, ReplicaPool.from_config(config), random.Random(99))
+    other = Router(config, admitted_pool(config), random.Random(99))
     assert before == {s: other.select("tiny", chat(session=s)).id for s in sessions}
 
     pool.eject(pool.get("r2"), "test")
