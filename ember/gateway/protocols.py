@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ember.gateway import batches, files
 from ember.gateway.config import GatewayConfig
 from ember.gateway.jobs import api as jobs_api
+from ember.gateway.jobs import batches, files
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.runtime import JobsRuntime
 from ember.gateway.ws import WebSocketExtension

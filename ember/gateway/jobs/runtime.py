@@ -14,6 +14,7 @@ from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
+from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
 from ember.gateway.keys import Principal
@@ -37,6 +38,7 @@ class JobsRuntime:
         self.dispatcher = dispatcher
         self.config = config
         self.store = JobStore(config.store_path(base_dir))
+        self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
         self.metrics = JobMetrics(getattr(getattr(dispatcher, "metrics", None), "registry", None))
         self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)
