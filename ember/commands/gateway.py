@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.gateway.app import create_app
     from ember.gateway.config import load_config
-    from ember.gateway.protocols import protocol_extensions
+    from ember.gateway.extensions import protocol_extensions
 
     config = load_config(args.config)  # a bad file fails here, before anything listens
     app = create_app(config, protocol_extensions(config, args.grpc_port))

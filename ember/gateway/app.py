@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,6 +25,9 @@ from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 
+if TYPE_CHECKING:
+    from ember.gateway.extensions import ExtensionFactory, GatewayExtension
+
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
 SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
     (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
@@ -34,20 +37,6 @@ WATCH_AFTER_S = 0.02
 
 class ClientDisconnected(Exception):
     """The client went away while its request body was being read."""
-
-
-class GatewayExtension(Protocol):
-    """A feature mounted on the gateway (async jobs, Batch API, WebSocket, gRPC): its routes join the
-    FastAPI app and it starts/stops with the gateway."""
-
-    router: APIRouter
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-ExtensionFactory = Callable[[Dispatcher], GatewayExtension]
 
 
 def error_response(exc: GatewayError) -> JSONResponse:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -28,12 +28,15 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.keys import Principal
 
+if TYPE_CHECKING:
+    from ember.gateway.extensions import GatewayServices
+
 REQUEST_TYPES = {"chat.completions": "chat/completions", "completions": "completions"}
 MAX_IN_FLIGHT = 64
 
 
 class WebSocketSession:
-    def __init__(self, websocket: WebSocket, dispatcher: Any) -> None:
+    def __init__(self, websocket: WebSocket, dispatcher: GatewayServices) -> None:
         self.websocket = websocket
         self.dispatcher = dispatcher
         self.principal: Principal | None = None
@@ -205,7 +208,7 @@ class WebSocketSession:
 class WebSocketExtension:
     """Mounts /v1/ws on the gateway; sockets live and die with their connections."""
 
-    def __init__(self, dispatcher: Any) -> None:
+    def __init__(self, dispatcher: GatewayServices) -> None:
         self.dispatcher = dispatcher
         self.router = APIRouter()
         self.router.add_api_websocket_route("/v1/ws", self.endpoint)
