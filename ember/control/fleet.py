@@ -26,8 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ember.errors import EmberError
 from ember.gateway.config import GatewayConfig, GatewayConfigError, format_location, load_config
-from ember.gateway.replicas import ReplicaPool
-from ember.gateway.router import Router
+from ember.gateway.routing import validate_routing
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -93,8 +92,8 @@ class Fleet:
 def load_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     gateway = load_config(path)  # the gateway's own validation, exactly as `ember gateway` will do it
-    try:  # routing options are checked when the gateway builds its router: check them now, not in a crash loop
-        Router(gateway, ReplicaPool.from_config(gateway))
+    try:  # the gateway checks routing options when it starts: check them now, not in a crash loop
+        validate_routing(gateway)
     except GatewayConfigError as exc:
         raise FleetError(f"{path}: {exc}") from None
     try:

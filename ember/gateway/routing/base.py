@@ -26,6 +26,7 @@ class Choice(NamedTuple):
 
 class RoutingPolicy(Protocol):
     name: str
+    options_schema: type[PolicyOptions]  # what `routing.options` may hold for this policy
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None: ...
 
