@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from ember.errors import EmberError
 from ember.gateway.config import GatewayConfig, GatewayConfigError, format_location, load_config
 from ember.gateway.routing import validate_routing
+from ember.strict_model import StrictModel
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -35,23 +36,19 @@ class FleetError(EmberError):
     """The fleet file's `launch:` section is missing or does not fit its `models:`."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LaunchGateway(_Strict):
+class LaunchGateway(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     args: list[str] = Field(default_factory=list, description="More `ember gateway` flags")
 
 
-class LaunchReplica(_Strict):
+class LaunchReplica(StrictModel):
     port: int = Field(ge=1, le=65535, description="Port of a replica url in `models:` on this machine")
     model: str | None = Field(default=None, description="What `ember serve --model` loads")
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
 
 
-class RestartPolicy(_Strict):
+class RestartPolicy(StrictModel):
     initial_backoff_s: float = Field(default=1.0, gt=0)
     max_backoff_s: float = Field(default=30.0, gt=0)
     stable_after_s: float = Field(default=30.0, gt=0, description="Uptime after which the backoff resets")
@@ -63,7 +60,7 @@ class RestartPolicy(_Strict):
         return self
 
 
-class LaunchConfig(_Strict):
+class LaunchConfig(StrictModel):
     gateway: LaunchGateway = Field(default_factory=LaunchGateway)
     replicas: list[LaunchReplica] = Field(default_factory=list)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)

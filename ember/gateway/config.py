@@ -41,7 +41,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -52,6 +51,7 @@ from pydantic import (
 
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
+from ember.strict_model import StrictModel
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 ROUTING_POLICIES = (
@@ -67,11 +67,7 @@ class GatewayConfigError(EmberError):
     """The gateway configuration file is missing, unreadable or invalid."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ReplicaConfig(_Strict):
+class ReplicaConfig(StrictModel):
     url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000")
     id: str | None = Field(default=None, description="Stable name in metrics and logs; defaults to the URL")
     region: str | None = None
@@ -90,7 +86,7 @@ class ReplicaConfig(_Strict):
         return self.id or self.url
 
 
-class DeploymentConfig(_Strict):
+class DeploymentConfig(StrictModel):
     name: str = "default"
     model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
     version: str | None = None
@@ -98,7 +94,7 @@ class DeploymentConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(min_length=1)
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(StrictModel):
     policy: Literal[ROUTING_POLICIES] = "least-outstanding"  # type: ignore[valid-type]
     # Policy-specific knobs (prefix length, load bound, session header, ...), read by ember.gateway.routing.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -106,7 +102,7 @@ class RoutingConfig(_Strict):
     region_aware: bool = True
 
 
-class GatewayModelConfig(_Strict):
+class GatewayModelConfig(StrictModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     deployments: list[DeploymentConfig] = Field(min_length=1)
 
@@ -121,7 +117,7 @@ class GatewayModelConfig(_Strict):
         return self
 
 
-class RegionConfig(_Strict):
+class RegionConfig(StrictModel):
     latency_ms: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("latency_ms")
@@ -133,7 +129,7 @@ class RegionConfig(_Strict):
         return latencies
 
 
-class KeyPolicy(_Strict):
+class KeyPolicy(StrictModel):
     """What one API key may do. Shared by inline keys and the SQLite key store."""
 
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
@@ -174,7 +170,7 @@ class InlineKeyConfig(KeyPolicy):
         return digest
 
 
-class KeysConfig(_Strict):
+class KeysConfig(StrictModel):
     store: Path | None = Field(default=None, description="SQLite key store; relative to the config file")
     inline: list[InlineKeyConfig] = Field(default_factory=list)
 
@@ -187,25 +183,25 @@ class KeysConfig(_Strict):
         return self
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(StrictModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     default_max_tokens: int = Field(
         default=256, gt=0, description="Assumed completion length for TPM estimates when max_tokens is absent"
     )
 
 
-class TimeoutsConfig(_Strict):
+class TimeoutsConfig(StrictModel):
     connect_s: float = Field(default=2.0, gt=0)
     read_s: float = Field(
         default=120.0, gt=0, description="Max wait for the replica's response headers and between two chunks"
     )
 
 
-class FailoverConfig(_Strict):
+class FailoverConfig(StrictModel):
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request before giving up")
 
 
-class HealthConfig(_Strict):
+class HealthConfig(StrictModel):
     path: str = "/health"
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
@@ -213,18 +209,18 @@ class HealthConfig(_Strict):
     healthy_threshold: int = Field(default=1, ge=1, description="Consecutive successes that re-admit it")
 
 
-class ScrapeConfig(_Strict):
+class ScrapeConfig(StrictModel):
     path: str = "/metrics"
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
 
 
-class QueueConfig(_Strict):
+class QueueConfig(StrictModel):
     max_size: int = Field(default=1024, ge=0, description="Waiting requests per model; beyond it -> 429")
     default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
 
 
-class GatewayConfig(_Strict):
+class GatewayConfig(StrictModel):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
     regions: dict[str, RegionConfig] = Field(default_factory=dict)
@@ -241,7 +237,7 @@ class GatewayConfig(_Strict):
     # ember.control.fleet validates it, so one fleet file serves both.
     launch: dict[str, Any] | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's: "async" or async_
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.
     _base_dir: Path | None = PrivateAttr(default=None)
 

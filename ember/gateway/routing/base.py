@@ -13,10 +13,11 @@ import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from ember.gateway.replicas import Replica
 from ember.gateway.request_context import RequestContext
+from ember.strict_model import StrictModel
 
 
 class Choice(NamedTuple):
@@ -31,10 +32,8 @@ class RoutingPolicy(Protocol):
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None: ...
 
 
-class PolicyOptions(BaseModel):
+class PolicyOptions(StrictModel):
     """Base of each policy's `routing.options` schema: unknown knobs are an error, not ignored."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class PolicyOptionsError(ValueError):
