@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from fastapi import APIRouter
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ember.gateway.replicas import ReplicaPool
 
 
+@runtime_checkable  # so a test can check that the Dispatcher still provides every member
 class GatewayServices(Protocol):
     """What an extension may use of the gateway (ember.gateway.dispatch.Dispatcher provides it)."""
 
@@ -62,6 +63,7 @@ class GatewayServices(Protocol):
         ...
 
 
+@runtime_checkable
 class GatewayExtension(Protocol):
     """A feature mounted on the gateway: its routes join the FastAPI app and it starts/stops with the gateway."""
 
