@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from ember.errors import EmberError
     from ember.gateway.app import create_app
     from ember.gateway.config import FLEET_CREDENTIAL_ENV, load_config, with_replica_api_keys
-    from ember.gateway.protocols import protocol_extensions
+    from ember.gateway.extensions import protocol_extensions
     from ember.http_protocol import header_timeout_protocol
 
     http_protocol = header_timeout_protocol(args.header_timeout)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from ember.errors import EmberError
 from ember.gateway.config import (
@@ -42,9 +42,9 @@ from ember.gateway.config import (
     format_location,
     load_config,
 )
-from ember.gateway.replicas import ReplicaPool
-from ember.gateway.router import Router
+from ember.gateway.routing import validate_routing
 from ember.server.settings import API_KEY_ENV
+from ember.strict_model import StrictModel
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -53,23 +53,19 @@ class FleetError(EmberError):
     """The fleet file's `launch:` section is missing or does not fit its `models:`."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LaunchGateway(_Strict):
+class LaunchGateway(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     args: list[str] = Field(default_factory=list, description="More `ember gateway` flags")
 
 
-class LaunchReplica(_Strict):
+class LaunchReplica(StrictModel):
     port: int = Field(ge=1, le=65535, description="Port of a replica url in `models:` on this machine")
     model: str | None = Field(default=None, description="What `ember serve --model` loads")
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
 
 
-class RestartPolicy(_Strict):
+class RestartPolicy(StrictModel):
     initial_backoff_s: float = Field(default=1.0, gt=0)
     max_backoff_s: float = Field(default=30.0, gt=0)
     stable_after_s: float = Field(default=30.0, gt=0, description="Uptime after which the backoff resets")
@@ -81,7 +77,7 @@ class RestartPolicy(_Strict):
         return self
 
 
-class LaunchAutoscaled(_Strict):
+class LaunchAutoscaled(StrictModel):
     model: str | None = Field(default=None, description="What `ember serve --model` loads; default: the model id")
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
     host: str = "127.0.0.1"
@@ -89,13 +85,13 @@ class LaunchAutoscaled(_Strict):
     region: str | None = None
 
 
-class LaunchAutoscaler(_Strict):
+class LaunchAutoscaler(StrictModel):
     interval_s: float = Field(default=2.0, gt=0, description="Time between two scaling decisions")
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535, description="Serves /metrics and /status when set")
 
 
-class LaunchConfig(_Strict):
+class LaunchConfig(StrictModel):
     gateway: LaunchGateway = Field(default_factory=LaunchGateway)
     replicas: list[LaunchReplica] = Field(default_factory=list)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
@@ -141,8 +137,8 @@ class Fleet:
 def load_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     gateway = load_config(path)  # the gateway's own validation, exactly as `ember gateway` will do it
-    try:  # routing options are checked when the gateway builds its router: check them now, not in a crash loop
-        Router(gateway, ReplicaPool.from_config(gateway))
+    try:  # the gateway checks routing options when it starts: check them now, not in a crash loop
+        validate_routing(gateway)
     except GatewayConfigError as exc:
         raise FleetError(f"{path}: {exc}") from None
     try:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +31,9 @@ from ember.http_rules import (
     unsupported_media_type_message,
 )
 
+if TYPE_CHECKING:
+    from ember.gateway.extensions import ExtensionFactory, GatewayExtension
+
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
 # POST routes of the FastAPI side whose body is JSON (/v1/files takes a multipart upload).
 JSON_POST_PREFIXES = ("/v1/async/", "/v1/batches", "/admin/")
@@ -42,20 +45,6 @@ WATCH_AFTER_S = 0.02
 
 class ClientDisconnected(Exception):
     """The client went away while its request body was being read."""
-
-
-class GatewayExtension(Protocol):
-    """A feature mounted on the gateway (async jobs, Batch API, WebSocket, gRPC): its routes join the
-    FastAPI app and it starts/stops with the gateway."""
-
-    router: APIRouter
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-ExtensionFactory = Callable[[Dispatcher], GatewayExtension]
 
 
 def error_response(exc: GatewayError) -> JSONResponse:

@@ -47,7 +47,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -58,6 +57,7 @@ from pydantic import (
 
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
+from ember.strict_model import StrictModel
 
 # `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
 FLEET_CREDENTIAL_ENV = "EMBER_FLEET_CREDENTIAL"
@@ -75,11 +75,7 @@ class GatewayConfigError(EmberError):
     """The gateway configuration file is missing, unreadable or invalid."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _ReplicaCredential(_Strict):
+class _ReplicaCredential(StrictModel):
     """The key the gateway sends a replica as `Authorization: Bearer <key>` (a replica started with
     vLLM's or `ember serve`'s --api-key). Never a client's key: those stay at the gateway."""
 
@@ -133,7 +129,7 @@ class DeploymentConfig(_ReplicaCredential):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
 
-class AutoscalingConfig(_Strict):
+class AutoscalingConfig(StrictModel):
     """A model whose replica count follows its load (ember.control.autoscaling): enough replicas to
     keep the p90 objectives, as few as possible, none at all after `scale_to_zero_after_s` idle when
     `min_replicas` is 0 (the gateway then holds arriving requests while one starts)."""
@@ -162,7 +158,7 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(StrictModel):
     policy: Literal[ROUTING_POLICIES] = "least-outstanding"  # type: ignore[valid-type]
     # Policy-specific knobs (prefix length, load bound, session header, ...), read by ember.gateway.routing.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -170,7 +166,7 @@ class RoutingConfig(_Strict):
     region_aware: bool = True
 
 
-class GatewayModelConfig(_Strict):
+class GatewayModelConfig(StrictModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     deployments: list[DeploymentConfig] = Field(min_length=1)
     autoscaling: AutoscalingConfig | None = None
@@ -186,7 +182,7 @@ class GatewayModelConfig(_Strict):
         return self
 
 
-class RegionConfig(_Strict):
+class RegionConfig(StrictModel):
     latency_ms: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("latency_ms")
@@ -198,7 +194,7 @@ class RegionConfig(_Strict):
         return latencies
 
 
-class KeyPolicy(_Strict):
+class KeyPolicy(StrictModel):
     """What one API key may do. Shared by inline keys and the SQLite key store."""
 
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
@@ -239,7 +235,7 @@ class InlineKeyConfig(KeyPolicy):
         return digest
 
 
-class KeysConfig(_Strict):
+class KeysConfig(StrictModel):
     store: Path | None = Field(default=None, description="SQLite key store; relative to the config file")
     inline: list[InlineKeyConfig] = Field(default_factory=list)
 
@@ -252,25 +248,25 @@ class KeysConfig(_Strict):
         return self
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(StrictModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     default_max_tokens: int = Field(
         default=256, gt=0, description="Assumed completion length for TPM estimates when max_tokens is absent"
     )
 
 
-class TimeoutsConfig(_Strict):
+class TimeoutsConfig(StrictModel):
     connect_s: float = Field(default=2.0, gt=0)
     read_s: float = Field(
         default=120.0, gt=0, description="Max wait for the replica's response headers and between two chunks"
     )
 
 
-class FailoverConfig(_Strict):
+class FailoverConfig(StrictModel):
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request before giving up")
 
 
-class HealthConfig(_Strict):
+class HealthConfig(StrictModel):
     path: str = "/health"
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
@@ -278,18 +274,18 @@ class HealthConfig(_Strict):
     healthy_threshold: int = Field(default=1, ge=1, description="Consecutive successes that re-admit it")
 
 
-class ScrapeConfig(_Strict):
+class ScrapeConfig(StrictModel):
     path: str = "/metrics"
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
 
 
-class QueueConfig(_Strict):
+class QueueConfig(StrictModel):
     max_size: int = Field(default=1024, ge=0, description="Waiting requests per model; beyond it -> 429")
     default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
 
 
-class MetricsConfig(_Strict):
+class MetricsConfig(StrictModel):
     """The gateway's own `GET /metrics`."""
 
     require_auth: bool = Field(default=False, description="Serve /metrics only to the admin key")
@@ -298,7 +294,7 @@ class MetricsConfig(_Strict):
     )
 
 
-class GatewayConfig(_Strict):
+class GatewayConfig(StrictModel):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
     regions: dict[str, RegionConfig] = Field(default_factory=dict)
@@ -316,7 +312,7 @@ class GatewayConfig(_Strict):
     # ember.control.fleet validates it, so one fleet file serves both.
     launch: dict[str, Any] | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's: "async" or async_
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.
     _base_dir: Path | None = PrivateAttr(default=None)
 

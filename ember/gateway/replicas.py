@@ -119,9 +119,6 @@ class ReplicaPool:
     def healthy(self, model: str) -> list[Replica]:
         return [replica for replica in self._by_model.get(model, []) if replica.healthy]
 
-    def with_capacity(self, model: str) -> list[Replica]:
-        return [replica for replica in self._by_model.get(model, []) if replica.has_capacity]
-
     def get(self, replica_id: str) -> Replica | None:
         return self._by_id.get(replica_id)
 

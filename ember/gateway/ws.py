@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -29,6 +29,9 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.keys import Principal
 from ember.gateway.request_body import parse_json_object
+
+if TYPE_CHECKING:
+    from ember.gateway.extensions import GatewayServices
 
 REQUEST_TYPES = {"chat.completions": "chat/completions", "completions": "completions"}
 MAX_IN_FLIGHT = 64
@@ -44,7 +47,7 @@ def frame_too_large(limit: int) -> GatewayError:
 
 
 class WebSocketSession:
-    def __init__(self, websocket: WebSocket, dispatcher: Any) -> None:
+    def __init__(self, websocket: WebSocket, dispatcher: GatewayServices) -> None:
         self.websocket = websocket
         self.dispatcher = dispatcher
         self.principal: Principal | None = None
@@ -217,7 +220,7 @@ class WebSocketSession:
 class WebSocketExtension:
     """Mounts /v1/ws on the gateway; sockets live and die with their connections."""
 
-    def __init__(self, dispatcher: Any) -> None:
+    def __init__(self, dispatcher: GatewayServices) -> None:
         self.dispatcher = dispatcher
         self.router = APIRouter()
         self.router.add_api_websocket_route("/v1/ws", self.endpoint)

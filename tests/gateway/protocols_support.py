@@ -20,7 +20,7 @@ from gateway_harness import ServerThread, free_port, sha256, wait_until
 
 from ember.gateway.app import GatewayApp, create_app
 from ember.gateway.config import parse_config
-from ember.gateway.protocols import JobsExtension, protocol_extensions
+from ember.gateway.extensions import JobsExtension, protocol_extensions
 
 KEY = "sk-test-alpha"
 OTHER_KEY = "sk-test-beta"

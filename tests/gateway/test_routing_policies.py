@@ -12,6 +12,7 @@ from gateway_harness import admitted_pool
 from ember.gateway.config import GatewayConfigError, parse_config
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
+from ember.gateway.routing import POLICIES, validate_routing
 from ember.gateway.routing.least_outstanding import LeastOutstandingPolicy
 from ember.gateway.routing.load_aware import LoadAwarePolicy
 from ember.gateway.routing.round_robin import RoundRobinPolicy
@@ -219,14 +220,30 @@ def test_load_aware_weights_come_from_routing_options():
     assert router.select("tiny", chat()) is r1
 
 
-def test_bad_routing_options_fail_at_start_with_the_field_path():
+@pytest.mark.parametrize("check", ["router", "validate_routing"])
+def test_bad_routing_options_fail_at_start_with_the_field_path(check: str):
+    """The router refuses them, and validate_routing (what `ember up` runs) says the same without one."""
     config, pool = make_pool(2, policy="prefix-cache", options={"block_chars": 0, "colour": "red"})
     with pytest.raises(GatewayConfigError) as info:
-        Router(config, pool)
+        Router(config, pool) if check == "router" else validate_routing(config)
     message = str(info.value)
     assert message.startswith("models.tiny.routing.options: ")
     assert "block_chars: Input should be greater than or equal to 1" in message
     assert "colour: Extra inputs are not permitted" in message
+
+
+def test_validate_routing_accepts_every_policy_with_its_own_options():
+    options = {
+        "round-robin": {},
+        "least-outstanding": {},
+        "session-affinity": {},
+        "load-aware": {"kv_usage_weight": 0, "running_weight": 5},
+        "prefix-cache": {"block_chars": 16, "cache_threshold": 0.5},
+    }
+    assert set(options) == set(POLICIES)
+    for policy, policy_options in options.items():
+        config, _ = make_pool(1, policy=policy, options=policy_options)
+        assert validate_routing(config) is None
 
 
 def test_session_affinity_is_stable_and_moves_only_the_sessions_of_a_leaving_replica():

@@ -23,7 +23,6 @@ from ember.gateway.jobs.store import NewJob
 from ember.gateway.jobs.webhooks import WebhookURLError
 from ember.gateway.request_body import parse_json_object, parse_request_body
 
-ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_seconds")
 # Ember's convention (ember.gateway.priority): a higher number is claimed first.
 LOWEST_PRIORITY, DEFAULT_PRIORITY, HIGHEST_PRIORITY = 0, 1, 2
 

@@ -1,4 +1,5 @@
-"""OpenAI's Files API, as far as the Batch API needs it, stored in the job store's SQLite file:
+"""OpenAI's Files API, as far as the Batch API needs it, stored in the job store's SQLite file
+(store_batches.py):
 
     POST   /v1/files                 multipart: file (JSONL) + purpose "batch"; validated line by line
     GET    /v1/files                 this key's files
@@ -11,7 +12,6 @@ A batch input line is `{"custom_id": str, "method": "POST", "url": "/v1/chat/com
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,33 +22,9 @@ from starlette.datastructures import UploadFile
 
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found
-from ember.gateway.jobs.store import new_id
 from ember.gateway.request_body import parse_request_body
 
 UPLOAD_PURPOSES = ("batch",)
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    id: str
-    key_id: str
-    filename: str
-    purpose: str
-    bytes: int
-    created_at: float
-
-    def to_public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": int(self.created_at),
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": "processed",
-            "status_details": None,
-            "expires_at": None,
-        }
 
 
 @dataclass(frozen=True)
@@ -109,36 +85,6 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
     return lines
 
 
-def insert_file(
-    conn: sqlite3.Connection, key_id: str, filename: str, purpose: str, content: bytes, now: float
-) -> StoredFile:
-    stored = StoredFile(new_id("file-"), key_id, filename, purpose, len(content), now)
-    conn.execute(
-        "INSERT INTO files (id, key_id, filename, purpose, bytes, created_at, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (stored.id, key_id, filename, purpose, stored.bytes, now, content),
-    )
-    return stored
-
-
-def _stored(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(
-        row["id"], row["key_id"], row["filename"], row["purpose"], row["bytes"], row["created_at"]
-    )
-
-
-def select_file(conn: sqlite3.Connection, file_id: str, key_id: str) -> StoredFile | None:
-    row = conn.execute(
-        "SELECT id, key_id, filename, purpose, bytes, created_at FROM files WHERE id = ? AND key_id = ?",
-        (file_id, key_id),
-    ).fetchone()
-    return None if row is None else _stored(row)
-
-
-def select_content(conn: sqlite3.Connection, file_id: str, key_id: str) -> bytes | None:
-    row = conn.execute("SELECT content FROM files WHERE id = ? AND key_id = ?", (file_id, key_id)).fetchone()
-    return None if row is None else bytes(row[0])
-
-
 def build_router(runtime: JobsRuntime) -> APIRouter:
     router = APIRouter()
     limits = runtime.config.batch
@@ -174,30 +120,19 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             )
         parse_batch_lines(content, limits.max_requests)
         now = runtime.now()
-        stored = await runtime.store.transaction(
-            lambda conn: insert_file(conn, principal.key_id, filename, purpose, content, now)
-        )
+        stored = await runtime.batch_store.add_file(principal.key_id, filename, purpose, content, now)
         return JSONResponse(stored.to_public())
 
     @router.get("/v1/files")
     async def list_files(request: Request) -> Response:
         principal = runtime.authenticate(request.headers.get("authorization"))
-
-        def read(conn: sqlite3.Connection) -> list[StoredFile]:
-            rows = conn.execute(
-                "SELECT id, key_id, filename, purpose, bytes, created_at FROM files WHERE key_id = ?"
-                " ORDER BY created_at DESC, rowid DESC",
-                (principal.key_id,),
-            )
-            return [_stored(row) for row in rows]
-
-        files = await runtime.store.transaction(read)
+        files = await runtime.batch_store.list_files(principal.key_id)
         return JSONResponse({"object": "list", "data": [f.to_public() for f in files], "has_more": False})
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Response:
         principal = runtime.authenticate(request.headers.get("authorization"))
-        stored = await runtime.store.transaction(lambda conn: select_file(conn, file_id, principal.key_id))
+        stored = await runtime.batch_store.get_file(file_id, principal.key_id)
         if stored is None:
             raise not_found("file", file_id)
         return JSONResponse(stored.to_public())
@@ -205,9 +140,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
         principal = runtime.authenticate(request.headers.get("authorization"))
-        content = await runtime.store.transaction(
-            lambda conn: select_content(conn, file_id, principal.key_id)
-        )
+        content = await runtime.batch_store.file_content(file_id, principal.key_id)
         if content is None:
             raise not_found("file", file_id)
         return Response(content, media_type="application/jsonl")
@@ -215,13 +148,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
         principal = runtime.authenticate(request.headers.get("authorization"))
-
-        def delete(conn: sqlite3.Connection) -> int:
-            return conn.execute(
-                "DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, principal.key_id)
-            ).rowcount
-
-        if not await runtime.store.transaction(delete):
+        if not await runtime.batch_store.delete_file(file_id, principal.key_id):
             raise not_found("file", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
