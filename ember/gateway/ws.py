@@ -111,7 +111,7 @@ class WebSocketSession:
                     raise bad_request("An auth frame needs 'api_key'.", param="api_key", code="invalid_frame")
                 self.principal = self.dispatcher.authenticate(f"Bearer {api_key}")
                 await self.send({"type": "auth.ok"})
-            elif kind in REQUEST_TYPES:
+            elif isinstance(kind, str) and kind in REQUEST_TYPES:  # a list or object type is unhashable
                 self.start_request(request_id, REQUEST_TYPES[kind], frame)
             elif kind == "cancel":
                 task = self.in_flight.get(request_id) if isinstance(request_id, str) else None

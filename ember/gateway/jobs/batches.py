@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.jobs.api import LOWEST_PRIORITY, read_json_object
 from ember.gateway.jobs.files import parse_batch_lines
-from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found, owner_of
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, is_endpoint, not_found, owner_of
 from ember.gateway.jobs.store import Job, NewJob, new_id
 from ember.gateway.jobs.store_batches import BatchStore, NewBatch
 
@@ -85,7 +85,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         principal = runtime.authenticate(request.headers.get("authorization"))
         body = await read_json_object(request)
         endpoint = body.get("endpoint")
-        if endpoint not in ENDPOINTS:
+        if not is_endpoint(endpoint):
             raise bad_request(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
         window = body.get("completion_window")
         match = COMPLETION_WINDOW.match(window) if isinstance(window, str) else None

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from ember.gateway.errors import GatewayError, bad_request
-from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, is_endpoint, not_found
 from ember.gateway.request_body import parse_request_body
 
 UPLOAD_PURPOSES = ("batch",)
@@ -66,7 +66,7 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
         seen.add(custom_id)
         if item.get("method") != "POST":
             raise bad("'method' must be \"POST\".")
-        if item.get("url") not in ENDPOINTS:
+        if not is_endpoint(item.get("url")):
             raise bad(f"'url' must be one of {', '.join(ENDPOINTS)}, got {item.get('url')!r}.")
         body = item.get("body")
         if not isinstance(body, dict):

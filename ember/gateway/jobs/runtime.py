@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
 
+def is_endpoint(value: Any) -> bool:
+    """Whether a client-sent value names one of ENDPOINTS (a list or object is unhashable: not one)."""
+    return isinstance(value, str) and value in ENDPOINTS
+
+
 def owner_of(principal: Principal) -> dict[str, Any]:
     return {"key_id": principal.key_id, "name": principal.name, "policy": principal.policy.model_dump()}
 
