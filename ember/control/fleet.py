@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -113,6 +113,7 @@ class ChildSpec:
     name: str  # "gateway", "replica-8001": the prefix of its log lines
     argv: list[str]
     health_url: str  # polled only to report readiness; the gateway probes replicas itself
+    env: dict[str, str] = field(default_factory=dict)  # on top of ember up's own environment
 
 
 @dataclass(frozen=True)
