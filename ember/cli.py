@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "serve",
     "gateway",
     "up",
+    "fleet",
     "keys",
     "bench",
 ]

@@ -36,11 +36,37 @@ def run(args: argparse.Namespace) -> int:
     import shlex
 
     from ember.control.fleet import load_fleet
-    from ember.control.supervisor import Supervisor
 
     fleet = load_fleet(args.fleet or default_fleet_path())  # a bad file fails here, before anything starts
     if args.print_commands:
         for child in fleet.children:
             print(f"{child.name}: {shlex.join(child.argv)}")
+        for name, model in fleet.autoscaled.items():
+            scaling = model.autoscaling
+            print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): "
+                  f"{shlex.join(model.argv)} --host {model.host} --port <a free port>")  # fmt: skip
         return 0
-    return asyncio.run(Supervisor(fleet).run())
+    return asyncio.run(run_fleet(fleet))
+
+
+async def run_fleet(fleet) -> int:
+    """The supervisor, and with autoscaled models the autoscaler and its local-process provider."""
+    import dataclasses
+    import secrets
+
+    from ember.control.autoscaling.autoscaler import Autoscaler
+    from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider
+    from ember.control.supervisor import Supervisor
+    from ember.gateway.admin import CONTROL_TOKEN_ENV
+
+    if not fleet.autoscaled:
+        return await Supervisor(fleet).run()
+    # A token only this gateway and this process know, for registering the replicas it starts.
+    token = secrets.token_urlsafe(32)
+    gateway, *replicas = fleet.children
+    fleet = dataclasses.replace(fleet, children=[dataclasses.replace(gateway, env={**gateway.env, CONTROL_TOKEN_ENV: token}), *replicas])
+    supervisor = Supervisor(fleet)
+    admin = GatewayAdmin(fleet.gateway_url, token, drain_timeout_s=fleet.launch.shutdown_timeout_s)
+    provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log)
+    supervisor.services.append(Autoscaler(fleet, provider, log=supervisor.log))
+    return await supervisor.run()

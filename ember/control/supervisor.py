@@ -9,6 +9,9 @@
   doubling up to max_backoff_s), reset once a run has lasted stable_after_s.
 - Child output is copied line by line to stdout, prefixed with the child's name; readiness
   (its /health answering 200) is reported once per start.
+- Children can join and leave while it runs (`add_child`, `remove_child`: the autoscaler's
+  replicas), and services (the autoscaler) run alongside: started once the children are, stopped
+  first on shutdown so that nothing starts replicas while the fleet stops.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import os
 import shlex
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -44,24 +49,33 @@ def _describe_exit(returncode: int) -> str:
     return f"code {returncode}"
 
 
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 @dataclass
 class _Child:
     spec: ChildSpec
     process: asyncio.subprocess.Process | None = None
     starts: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
+    retired: bool = False  # removed on purpose: stopped, not restarted
 
 
 class Supervisor:
-    def __init__(self, fleet: Fleet, out=None):
+    def __init__(self, fleet: Fleet, out=None, services: Sequence[Service] = ()):
         self.fleet = fleet
         self.restart: RestartPolicy = fleet.launch.restart
         self.shutdown_timeout_s = fleet.launch.shutdown_timeout_s
         self._out = out or sys.stdout
         self._children = [_Child(spec) for spec in fleet.children]
+        self.services = list(services)
         self._stopping = asyncio.Event()
         self._force = asyncio.Event()
         self._ready: set[str] = set()  # children that answered /health at least once
+        self._fleet_children = {spec.name for spec in fleet.children}  # "fleet ready" waits for these
         self._announced = False
 
     def log(self, message: str) -> None:
@@ -77,7 +91,11 @@ class Supervisor:
             self._probe = probe
             for child in self._children:
                 child.task = asyncio.create_task(self._supervise(child), name=child.spec.name)
+            for service in self.services:
+                await service.start()
             await self._stopping.wait()
+            for service in self.services:
+                await service.stop()
             self.log("stopping: gateway first, then the replicas")
             gateway, *replicas = self._children
             await self._stop_child(gateway)
@@ -88,6 +106,24 @@ class Supervisor:
         self.log("all processes stopped")
         return 0
 
+    def add_child(self, spec: ChildSpec) -> None:
+        """Starts and supervises one more process (call while `run` runs)."""
+        child = _Child(spec)
+        self._children.append(child)
+        child.task = asyncio.create_task(self._supervise(child), name=spec.name)
+
+    async def remove_child(self, name: str) -> None:
+        """Stops a process for good (SIGTERM, SIGKILL after shutdown_timeout_s) and forgets it."""
+        child = next((child for child in self._children if child.spec.name == name), None)
+        if child is None:
+            return
+        child.retired = True
+        await self._stop_child(child)
+        if child.task is not None:
+            await child.task
+        self._children.remove(child)
+        self._ready.discard(name)
+
     def request_stop(self) -> None:
         if self._stopping.is_set():
             self._force.set()  # a second signal: do not wait for graceful exits
@@ -96,7 +132,7 @@ class Supervisor:
     async def _supervise(self, child: _Child) -> None:
         loop = asyncio.get_running_loop()
         backoff = self.restart.initial_backoff_s
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not child.retired:
             started = loop.time()
             try:
                 child.process = await asyncio.create_subprocess_exec(
@@ -114,7 +150,8 @@ class Supervisor:
                 returncode = None
             else:
                 # A stop that came while it was being spawned found no process to signal: stop it now.
-                late_stop = asyncio.create_task(self._stop_child(child)) if self._stopping.is_set() else None
+                stopped = self._stopping.is_set() or child.retired
+                late_stop = asyncio.create_task(self._stop_child(child)) if stopped else None
                 child.starts += 1
                 self.log(f"{child.spec.name} started (pid {child.process.pid}): ember {shlex.join(child.spec.argv[3:])}")
                 ready = asyncio.create_task(self._report_ready(child, child.process))
@@ -123,7 +160,7 @@ class Supervisor:
                 ready.cancel()
                 if late_stop is not None:
                     await late_stop
-            if self._stopping.is_set():
+            if self._stopping.is_set() or child.retired:
                 break
             uptime = loop.time() - started
             if uptime >= self.restart.stable_after_s:
@@ -153,7 +190,7 @@ class Supervisor:
                 if (await self._probe.get(child.spec.health_url)).status_code == 200:
                     self.log(f"{child.spec.name} ready ({child.spec.health_url})")
                     self._ready.add(child.spec.name)
-                    if len(self._ready) == len(self._children) and not self._announced:
+                    if self._fleet_children <= self._ready and not self._announced:
                         self._announced = True
                         self.log(f"fleet ready: send requests to {self.fleet.gateway_url}/v1")
                     return

@@ -1,0 +1,174 @@
+"""Providers carry scaling decisions out, behind one small interface:
+
+    replica = await provider.start_replica("tiny")    # returns at once, state "loading"
+    await provider.stop_replica(replica.id)           # drains it out of the gateway, then stops it
+    provider.list_replicas("tiny")                    # every replica it runs, with its state
+
+A replica is `loading` from its start until the gateway has admitted it (its first successful
+probe), `ready` while the gateway routes to it, `draining` from its stop until its process exits.
+`LocalProcessProvider` runs `ember serve` processes on free local ports under `ember up`'s
+supervisor; Kubernetes or Ray providers implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+import httpx
+
+from ember.control.fleet import AutoscaledModel, ChildSpec
+from ember.control.supervisor import Supervisor
+
+ADMIT_POLL_S = 0.2
+
+
+class ReplicaState(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass
+class ManagedReplica:
+    id: str
+    model: str
+    url: str
+    state: ReplicaState
+    started_at: float  # time.monotonic()
+    ready_at: float | None = None
+
+    @property
+    def cold_start_s(self) -> float | None:
+        """Process start to admission by the gateway."""
+        return None if self.ready_at is None else self.ready_at - self.started_at
+
+
+class ReplicaProvider(Protocol):
+    async def start_replica(self, model: str) -> ManagedReplica: ...
+
+    async def stop_replica(self, replica_id: str) -> None: ...
+
+    def list_replicas(self, model: str | None = None) -> list[ManagedReplica]: ...
+
+    async def close(self) -> None: ...
+
+
+class GatewayAdmin:
+    """The gateway's /admin/replicas, called with the control token `ember up` gave the gateway."""
+
+    def __init__(self, gateway_url: str, control_token: str, drain_timeout_s: float):
+        self.drain_timeout_s = drain_timeout_s
+        self._client = httpx.AsyncClient(
+            base_url=gateway_url, headers={"authorization": f"Bearer {control_token}"}, timeout=10.0
+        )
+
+    async def register(self, replica: ManagedReplica, capacity: int, region: str | None) -> bool:
+        """Registers the replica; True once the gateway has admitted it."""
+        body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region}
+        response = await self._client.post("/admin/replicas", json=body)
+        response.raise_for_status()
+        return response.json()["state"] == "ready"
+
+    async def is_admitted(self, replica_id: str) -> bool:
+        response = await self._client.get("/admin/replicas")
+        response.raise_for_status()
+        return any(item["id"] == replica_id and item["state"] == "ready" for item in response.json()["data"])
+
+    async def deregister(self, replica_id: str) -> None:
+        """Out of routing at once; returns when its requests have finished (or the drain timed out)."""
+        response = await self._client.delete(
+            f"/admin/replicas/{replica_id}",
+            params={"timeout_s": self.drain_timeout_s},
+            timeout=self.drain_timeout_s + 10.0,
+        )
+        if response.status_code != 404:  # 404: it never got registered
+            response.raise_for_status()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LocalProcessProvider:
+    """`ember serve` processes on free local ports, supervised (restarted if they crash) by `ember up`."""
+
+    def __init__(self, supervisor: Supervisor, models: dict[str, AutoscaledModel], gateway: GatewayAdmin, log=print):
+        self.supervisor = supervisor
+        self.models = models
+        self.gateway = gateway
+        self.log = log
+        self._replicas: dict[str, ManagedReplica] = {}
+        self._admissions: dict[str, asyncio.Task] = {}  # replicas still loading
+        self._process_names: dict[str, str] = {}  # replica id -> the supervisor's child name
+        self._probe = httpx.AsyncClient(timeout=2.0)
+
+    async def start_replica(self, model: str) -> ManagedReplica:
+        how = self.models[model]
+        port = free_port(how.host)
+        replica = ManagedReplica(
+            id=f"{model}-{port}", model=model, url=f"http://{how.host}:{port}", state=ReplicaState.LOADING,
+            started_at=time.monotonic(),
+        )  # fmt: skip
+        self._replicas[replica.id] = replica
+        argv = [*how.argv, "--host", how.host, "--port", str(port)]
+        self._process_names[replica.id] = f"replica-{port}"
+        self.supervisor.add_child(ChildSpec(f"replica-{port}", argv, replica.url + "/health"))
+        self._admissions[replica.id] = asyncio.create_task(self._admit(replica, how), name=f"admit-{replica.id}")
+        return replica
+
+    async def _admit(self, replica: ManagedReplica, how: AutoscaledModel) -> None:
+        """Waits for the process to serve, registers it, and marks it ready once the gateway admits it."""
+        while not await self._healthy(replica.url + "/health"):
+            await asyncio.sleep(ADMIT_POLL_S)
+        admitted = False
+        with contextlib.suppress(httpx.HTTPError):  # a gateway restarting: the loop below asks again
+            admitted = await self.gateway.register(replica, how.capacity, how.region)
+        while not admitted:
+            await asyncio.sleep(ADMIT_POLL_S)
+            with contextlib.suppress(httpx.HTTPError):
+                admitted = await self.gateway.is_admitted(replica.id)
+        del self._admissions[replica.id]
+        replica.state = ReplicaState.READY
+        replica.ready_at = time.monotonic()
+        self.log(f"{replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+
+    async def _healthy(self, url: str) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return (await self._probe.get(url)).status_code == 200
+        return False
+
+    async def stop_replica(self, replica_id: str) -> None:
+        replica = self._replicas[replica_id]
+        replica.state = ReplicaState.DRAINING
+        admission = self._admissions.pop(replica_id, None)
+        if admission is not None:
+            admission.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await admission
+        try:
+            await self.gateway.deregister(replica_id)
+        finally:
+            await self.supervisor.remove_child(self._process_names.pop(replica_id))
+            del self._replicas[replica_id]
+
+    def list_replicas(self, model: str | None = None) -> list[ManagedReplica]:
+        return [replica for replica in self._replicas.values() if model is None or replica.model == model]
+
+    async def close(self) -> None:
+        """Stops admitting; the supervisor stops the processes themselves with the rest of the fleet."""
+        for task in self._admissions.values():
+            task.cancel()
+        await asyncio.gather(*self._admissions.values(), return_exceptions=True)
+        await self._probe.aclose()
+        await self.gateway.close()
