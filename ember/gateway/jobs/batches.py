@@ -133,10 +133,10 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             )
             for line in lines
         ]
-
         new_batch = NewBatch(
-            batch_id, principal.key_id, endpoint, input_file_id, window, window_s, metadata, jobs
-        )
+            id=batch_id, key_id=principal.key_id, endpoint=endpoint, input_file_id=input_file_id,
+            completion_window=window, window_s=window_s, metadata=metadata, jobs=jobs,
+        )  # fmt: skip
         batch = await runtime.batch_store.create_batch(new_batch, runtime.now())
         runtime.metrics.submitted.labels("batch").inc(batch["request_counts"]["total"])
         runtime.workers.wake()
