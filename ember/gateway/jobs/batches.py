@@ -1,6 +1,6 @@
-"""OpenAI's Batch API on the async job store (its SQL in store_batches.py): each line of the input file becomes one batch job, run by
-the same worker pool (below interactive traffic); when the last one ends, the batch writes its output
-and error files in OpenAI's format and completes.
+"""OpenAI's Batch API on the async job store (its SQL in store_batches.py): each line of the input file
+becomes one batch job, run by the same worker pool (below interactive traffic); when the last one
+ends, the batch writes its output and error files in OpenAI's format and completes.
 
     POST /v1/batches                {input_file_id, endpoint, completion_window, metadata}
     GET  /v1/batches                this key's batches, newest first (limit, after)
