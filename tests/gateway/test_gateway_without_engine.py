@@ -81,6 +81,15 @@ def test_keys_commands_run_without_engine_packages(gateway_host_env: dict[str, s
         assert helped.returncode == 0, (command, helped.stderr)
 
 
+def test_a_command_whose_extra_is_missing_says_which_one_to_install(gateway_host_env: dict[str, str], tmp_path: Path):
+    served = ember(gateway_host_env, "serve", "--model", "smollm2-135m-instruct", cwd=tmp_path)
+    assert served.returncode == 2
+    assert served.stderr.splitlines() == [
+        "ember serve: error: No module named 'torch' (absent on a gateway host); install it with: "
+        "pip install 'ember[engine]'"
+    ]
+
+
 def test_ember_up_runs_the_gateway_with_every_extension_without_engine_packages(
     gateway_host_env: dict[str, str], tmp_path: Path
 ):

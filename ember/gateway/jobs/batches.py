@@ -1,6 +1,6 @@
-"""OpenAI's Batch API on the async job store (its SQL in store_batches.py): each line of the input file becomes one batch job, run by
-the same worker pool (below interactive traffic); when the last one ends, the batch writes its output
-and error files in OpenAI's format and completes.
+"""OpenAI's Batch API on the async job store (its SQL in store_batches.py): each line of the input file
+becomes one batch job, run by the same worker pool (below interactive traffic); when the last one
+ends, the batch writes its output and error files in OpenAI's format and completes.
 
     POST /v1/batches                {input_file_id, endpoint, completion_window, metadata}
     GET  /v1/batches                this key's batches, newest first (limit, after)
@@ -133,10 +133,10 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             )
             for line in lines
         ]
-
         new_batch = NewBatch(
-            batch_id, principal.key_id, endpoint, input_file_id, window, window_s, metadata, jobs
-        )
+            id=batch_id, key_id=principal.key_id, endpoint=endpoint, input_file_id=input_file_id,
+            completion_window=window, window_s=window_s, metadata=metadata, jobs=jobs,
+        )  # fmt: skip
         batch = await runtime.batch_store.create_batch(new_batch, runtime.now())
         runtime.metrics.submitted.labels("batch").inc(batch["request_counts"]["total"])
         runtime.workers.wake()

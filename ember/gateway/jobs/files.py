@@ -1,5 +1,5 @@
-"""OpenAI's Files API, as far as the Batch API needs it, stored in the job store's SQLite file
-(store_batches.py):
+"""OpenAI's Files API, as far as the Batch API needs it, kept in the job store's SQLite file (its SQL
+in store_batches.py):
 
     POST   /v1/files                 multipart: file (JSONL) + purpose "batch"; validated line by line
     GET    /v1/files                 this key's files
