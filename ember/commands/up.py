@@ -54,13 +54,14 @@ async def run_fleet(fleet) -> int:
     import dataclasses
     import secrets
 
-    from ember.control.autoscaling.autoscaler import Autoscaler
-    from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider
     from ember.control.supervisor import Supervisor
-    from ember.gateway.admin import CONTROL_TOKEN_ENV
 
     if not fleet.autoscaled:
         return await Supervisor(fleet).run()
+    from ember.control.autoscaling.autoscaler import Autoscaler
+    from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider
+    from ember.gateway.admin import CONTROL_TOKEN_ENV
+
     # A token only this gateway and this process know, for registering the replicas it starts.
     token = secrets.token_urlsafe(32)
     gateway, *replicas = fleet.children
