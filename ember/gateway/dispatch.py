@@ -142,11 +142,12 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------------
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        """A replica with a free slot now; None to wait in the queue (for capacity, or for a replica's
-        first successful probe); 503 when no replica can serve the request."""
+        """A replica with a free slot now; None to wait in the queue (for capacity, or on a first attempt
+        for a replica's first successful probe); 503 when no replica can serve the request. A failover
+        retry does not wait for replicas that have never answered: it reports the failure it met."""
         usable = [replica for replica in self.pool.replicas(ctx.model) if replica.id not in exclude]
         if not any(replica.healthy for replica in usable):
-            if any(replica.awaiting_first_probe for replica in usable):
+            if not exclude and any(replica.awaiting_first_probe for replica in usable):
                 return None
             raise unavailable(f"No healthy replica is available for model `{ctx.model}`.")
         replica = self.router.select(ctx.model, ctx, exclude)
