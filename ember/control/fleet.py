@@ -173,7 +173,7 @@ def load_fleet(path: str | Path) -> Fleet:
             raise FleetError(f"{where}.model: required, its deployments serve several models: {', '.join(served)}")
         if keyed:
             raise FleetError(f"{where}: `ember up` generates the key of the replicas it starts; remove {keyed}")
-        if "--api-key" in replica.args:
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in replica.args):
             raise FleetError(f"{where}.args: `ember up` generates the key of the replicas it starts; remove --api-key")
         if not Path(model).is_absolute() and (path.parent / model).exists():
             model = str((path.parent / model).resolve())

@@ -143,12 +143,13 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------------
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        """A replica with a free slot now; None to wait in the queue (for capacity, for a replica's first
-        successful probe, or, for an autoscaled model, for the replica the autoscaler starts); 503 when no
-        replica can serve the request."""
+        """A replica with a free slot now; None to wait in the queue (for capacity, on a first attempt for
+        a replica's first successful probe, or, for an autoscaled model, for the replica the autoscaler
+        starts); 503 when no replica can serve the request. A failover retry does not wait for replicas
+        that have never answered: it reports the failure it met."""
         usable = [replica for replica in self.pool.replicas(ctx.model) if replica.id not in exclude]
         if not any(replica.healthy for replica in usable):
-            if any(replica.awaiting_first_probe for replica in usable):
+            if not exclude and any(replica.awaiting_first_probe for replica in usable):
                 return None
             # An autoscaled model holds a first attempt in its queue while the autoscaler, which sees
             # the queue, starts a replica (activator); once one is admitted the queue wakes it.

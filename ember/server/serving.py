@@ -4,9 +4,10 @@ admission, the engine stream with queue timeout and abort on exit, disconnect wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -188,6 +189,7 @@ class OpenAIServing:
         closes the engine's stream, which aborts the request there and frees its KV blocks."""
         stream = self.engine.generate(prompt_ids, params, request_id, priority=priority)
         self._running.add(request_id)
+        finished = False
         try:
             try:
                 async with asyncio.timeout(self.settings.queue_timeout):
@@ -201,9 +203,15 @@ class OpenAIServing:
                     code="queue_timeout",
                 ) from None
             ticket.started()
+            finished = output.finished
             yield output
             async for output in stream:
+                finished = output.finished
                 yield output
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:  # the consumer left first (the client went away): closing the stream aborts it
+                self.metrics.count_aborted()
+            raise
         except ValueError as exc:  # the engine refused the request
             raise bad_request(str(exc)) from None
         except EngineRequestError as exc:
@@ -375,11 +383,12 @@ class OpenAIServing:
         return result
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as (stream index, item), in arrival order; a failure in any ends all."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as stream:  # closed as soon as this is (no GC wait)
+            async for item in stream:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     end = object()

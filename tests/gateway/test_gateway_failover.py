@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
-from gateway_harness import FakeReplica, gateway_config, http, wait_until
+from gateway_harness import FakeReplica, free_port, gateway_config, http, wait_until
 
 KEY = {"name": "ci", "secret": "sk-ci"}
 AUTH = {"authorization": "Bearer sk-ci"}
@@ -161,6 +161,24 @@ def test_a_replica_is_sent_nothing_before_its_first_successful_probe(start_gatew
         assert gateway.metric("ember_gateway_ejections_total", replica="loading", reason="health_probe") == 0
     finally:
         loading.stop()
+
+
+def test_a_failover_retry_does_not_wait_for_a_replica_that_never_answered(start_gateway):
+    failing = FakeReplica("failing").start()
+    failing.fail_status = 500
+    try:
+        never_up = f"http://127.0.0.1:{free_port()}"
+        config = gateway_config({"tiny": two_replica_model(failing.url, never_up)}, [dict(KEY)], health=SLOW_PROBES)
+        gateway = start_gateway(config)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        # The deadline is beyond the client's 30 s timeout: only an answer that does not wait for "second" passes.
+        response = http.post(gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "120000"},
+                             timeout=30)  # fmt: skip
+        assert response.status_code == 502
+        assert response.json()["error"]["message"].endswith("1 replica(s) failed before responding (last: HTTP 500).")
+        assert len(failing.requests) == 1
+    finally:
+        failing.stop()
 
 
 def test_pooled_connections_a_restarted_replica_closed_are_not_failures(start_gateway):

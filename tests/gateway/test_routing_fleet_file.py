@@ -65,10 +65,11 @@ def test_a_launched_replica_takes_no_key_but_the_fleet_credential(tmp_path):
     with pytest.raises(FleetError, match=r"launch\.replicas\[0\]: .* remove the api key of models\.tiny\.deployments\[0\]\.replicas\[0\]"):
         load_fleet(path)
     del data["models"]["tiny"]["deployments"][0]["replicas"][0]["api_key"]
-    data["launch"]["replicas"][0]["args"] += ["--api-key", "sk-mine"]
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(FleetError, match=r"launch\.replicas\[0\]\.args: .* remove --api-key"):
-        load_fleet(path)
+    for flag in (["--api-key", "sk-mine"], ["--api-key=sk-mine"]):
+        data["launch"]["replicas"][0]["args"] = flag
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(FleetError, match=r"launch\.replicas\[0\]\.args: .* remove --api-key"):
+            load_fleet(path)
 
 
 def test_fleet_file_errors_name_the_bad_field(tmp_path):
