@@ -175,7 +175,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         body = await read_json_object(request)
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
@@ -254,7 +254,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         limit_text = request.query_params.get("limit", "20")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
             raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
@@ -290,7 +290,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         batch = await runtime.store.transaction(lambda conn: select_batch(conn, batch_id, principal.key_id))
         if batch is None:
             raise not_found("batch", batch_id)
@@ -298,7 +298,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         now = runtime.now()
 
         def start_cancelling(conn: sqlite3.Connection) -> tuple[dict[str, Any] | None, list[str], int]:

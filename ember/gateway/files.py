@@ -145,7 +145,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/files")
     async def upload(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
         length = request.headers.get("content-length")
@@ -181,7 +181,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files")
     async def list_files(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
 
         def read(conn: sqlite3.Connection) -> list[StoredFile]:
             rows = conn.execute(
@@ -196,7 +196,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         stored = await runtime.store.transaction(lambda conn: select_file(conn, file_id, principal.key_id))
         if stored is None:
             raise not_found("file", file_id)
@@ -204,7 +204,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         content = await runtime.store.transaction(
             lambda conn: select_content(conn, file_id, principal.key_id)
         )
@@ -214,7 +214,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
 
         def delete(conn: sqlite3.Connection) -> int:
             return conn.execute(

@@ -9,14 +9,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from ember.gateway.config import KeyPolicy
+from ember.gateway.config import KeyEndpoint, KeyPolicy
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
-from ember.gateway.keys import Principal
+from ember.gateway.keys import Principal, require_endpoint
 
 # Endpoints jobs may call, as the Batch API names them -> as the dispatcher names them.
 ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
@@ -58,8 +58,11 @@ class JobsRuntime:
         await self.webhooks.stop()
         await self.store.close()
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        return self.dispatcher.authenticate(authorization)
+    def authenticate(self, authorization: str | None, endpoint: KeyEndpoint) -> Principal:
+        """The caller's key, which must be scoped to `endpoint` ("async" or "batch")."""
+        principal = self.dispatcher.authenticate(authorization)
+        require_endpoint(principal, endpoint)
+        return principal
 
     def principal_for(self, job: Job) -> Principal:
         """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
