@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--api-key",
         default=os.environ.get("EMBER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize: one shared key for "
+        "a single replica, with no scopes or quotas (per-key scopes and limits: ember gateway) "
         "(default: $EMBER_API_KEY, else no key)",
     )
     group.add_argument(
