@@ -1,7 +1,8 @@
-"""The admin API, guarded by the admin key (`admin_key_sha256` in the config):
+"""The admin API, guarded by the admin key (`admin_key_sha256` in the config) or an API key scoped to
+the `admin` endpoint:
 
     GET    /admin/keys[?include_revoked=true]   list keys (never the keys themselves)
-    POST   /admin/keys                          {name, models, priority, rpm, ...} -> 201 with the key, shown once
+    POST   /admin/keys                          {name, models, endpoints, priority, rpm, ...} -> 201 with the key, shown once
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
     GET    /admin/replicas                      health, load and ejection state of every replica
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse
 from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
-from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer
+from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer, require_endpoint
 from ember.gateway.replicas import Replica
 
 CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
@@ -76,17 +77,22 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
 
 def require_admin(dispatcher: Dispatcher, authorization: str | None) -> None:
     """The admin API's guard (and /metrics' with `metrics.require_auth`): the admin key, the control token
-    `ember up` hands its gateway, or a 401/403."""
+    `ember up` hands its gateway, or an API key scoped to the `admin` endpoint; else a 401 or 403."""
     control_token = os.environ.get(CONTROL_TOKEN_ENV) or None
     if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
+        return
+    if dispatcher.keys.is_admin(authorization):
+        return
+    principal = dispatcher.keys.find(authorization)
+    if principal is not None:
+        require_endpoint(principal, "admin")
         return
     if dispatcher.config.admin_key_sha256 is None:
         raise GatewayError(
             403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
             "admin_disabled",
         )  # fmt: skip
-    if not dispatcher.keys.is_admin(authorization):
-        raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
+    raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
 
 def build_admin_router(dispatcher: Dispatcher) -> APIRouter:

@@ -30,7 +30,7 @@ Shape (every section but `models` is optional):
     keys:
       store: keys.db                    # SQLite key store (relative to this file); `ember keys` writes it
       inline:
-        - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
+        - {name: ci, sha256: <hex>, models: [tiny], endpoints: [chat, completions], priority: 1, rpm: 600}
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
     metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
@@ -194,10 +194,22 @@ class RegionConfig(StrictModel):
         return latencies
 
 
+# The API surfaces a key can be scoped to: /v1/chat/completions (and WebSocket/gRPC chat),
+# /v1/completions (and WebSocket/gRPC prompts), /v1/files + /v1/batches, /v1/async/*, /admin/*.
+KeyEndpoint = Literal["chat", "completions", "batch", "async", "admin"]
+DEFAULT_KEY_ENDPOINTS: tuple[KeyEndpoint, ...] = ("chat", "completions", "batch", "async")
+
+
 class KeyPolicy(StrictModel):
-    """What one API key may do. Shared by inline keys and the SQLite key store."""
+    """What one API key may do. Shared by inline keys and the SQLite key store (stored as this
+    model's JSON, so a key stored before a field existed reads that field's default)."""
 
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
+    endpoints: list[KeyEndpoint] = Field(
+        default_factory=lambda: list(DEFAULT_KEY_ENDPOINTS),
+        min_length=1,
+        description="API surfaces it may use; default: all but admin",
+    )
     priority: int = Field(default=0, ge=0, description="Queue tier; a higher tier is served first")
     max_priority: int | None = Field(
         default=None, ge=0, description="Highest tier a request may ask for (x-ember-priority); default: priority"
@@ -220,6 +232,9 @@ class KeyPolicy(StrictModel):
 
     def allows_model(self, model: str) -> bool:
         return "*" in self.models or model in self.models
+
+    def allows_endpoint(self, endpoint: KeyEndpoint) -> bool:
+        return endpoint in self.endpoints
 
 
 class InlineKeyConfig(KeyPolicy):
