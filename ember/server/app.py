@@ -80,7 +80,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def list_models() -> Response:
         cards = [
             ModelCard(
-                id=name, created=created, root=str(engine.engine.source), max_model_len=engine.max_model_len
+                id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len
             )
             for name in settings.served_model_names
         ]
@@ -103,8 +103,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         chat.served_model(body.model)
-        if body.tokens:
-            chat.check_prompt_tokens(body.tokens, "tokens")
+        engine.check_token_ids(body.tokens, "tokens")
         return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
     @app.get("/health")

@@ -14,12 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember import __version__
-from ember.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
+from ember.engine.async_engine import AsyncEngine
 from ember.engine.detokenizer import decode_token
+from ember.engine.errors import EngineError
 from ember.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.engine.sampling_params import SamplingParams
 from ember.server.admission import AdmissionController, AdmissionTicket
-from ember.server.errors import APIError, bad_request
+from ember.server.errors import APIError, bad_request, engine_error
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import AccessRecord
 from ember.server.protocol import (
@@ -95,25 +96,12 @@ class OpenAIServing:
             )
         return requested
 
-    def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise bad_request("The prompt is empty (it encodes to zero tokens)", param=param)
-        vocab_size = self.engine.model_config.vocab_size
-        if max(token_ids) >= vocab_size:
-            raise bad_request(
-                f"Token id {max(token_ids)} is out of range (vocabulary size {vocab_size})", param=param
-            )
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        """`requested` if prompt + completion fit the context, else 400 context_length_exceeded.
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """`requested` if prompt + completion fit the context, else 400 context_length_exceeded."""
+        OpenAI refuses a completion budget past the context where the engine clamps it to the room left,
+        so this check is the API's own; the prompt itself was checked by the engine (check_prompt)."""
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
@@ -135,31 +123,29 @@ class OpenAIServing:
         streaming: bool,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        try:
-            return SamplingParams(
-                n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
-                min_p=request.min_p or 0.0,
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-                seed=request.seed,
-                stop=request.stop,
-                stop_token_ids=request.stop_token_ids,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                ignore_eos=request.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=request.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
-                output_kind="delta" if streaming else "final",
-            )
-        except ValueError as exc:  # SamplingParams names the field first in its messages
-            message = str(exc)
-            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+        """The engine's parameters for the request; out-of-range values raise the engine's
+        InvalidSamplingParamsError, answered as a 400 naming the field."""
+        return SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            output_kind="delta" if streaming else "final",
+        )
 
     def admit(self, num_requests: int, num_prompt_tokens: int) -> AdmissionTicket:
         try:
@@ -203,12 +189,8 @@ class OpenAIServing:
             yield output
             async for output in stream:
                 yield output
-        except ValueError as exc:  # the engine refused the request
-            raise bad_request(str(exc)) from None
-        except EngineRequestError as exc:
-            raise APIError(500, f"The engine failed this request: {exc}", code="engine_error") from None
-        except EngineDeadError as exc:
-            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        except EngineError as exc:
+            raise engine_error(exc) from None
         finally:
             self._running.discard(request_id)
             ticket.release()

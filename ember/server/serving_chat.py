@@ -49,8 +49,8 @@ class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.served_model(request.model)
         prompt_ids = self.render_prompt(request.messages, request.add_generation_prompt)
-        self.check_prompt_tokens(prompt_ids, "messages")
-        max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, "messages")
+        self.engine.check_prompt(prompt_ids, "messages")
+        max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(
             request, max_tokens=max_tokens, logprobs=top_logprobs, streaming=request.stream,

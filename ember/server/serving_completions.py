@@ -46,12 +46,12 @@ class CompletionsServing(OpenAIServing):
         else:
             prompt_ids = prompts
         for ids in prompt_ids:
-            self.check_prompt_tokens(ids, "prompt")
+            self.engine.check_prompt(ids, "prompt")
         streaming = request.stream
         params = [
             self.sampling_params(
                 request,
-                max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
+                max_tokens=self.max_tokens_for(len(ids), request.max_tokens),
                 logprobs=request.logprobs,
                 streaming=streaming,
                 prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None
