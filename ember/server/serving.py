@@ -15,7 +15,6 @@ from starlette.responses import Response
 
 from ember import __version__
 from ember.engine.async_engine import AsyncEngine
-from ember.engine.detokenizer import decode_token
 from ember.engine.errors import EngineError
 from ember.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.engine.sampling_params import SamplingParams
@@ -78,7 +77,6 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self._running: set[str] = set()  # engine request ids in flight, so a drain can abort them
-        self._token_text_cache: dict[int, str] = {}
 
     # ---- request checks ---------------------------------------------------------------------------
 
@@ -291,9 +289,11 @@ class OpenAIServing:
     # ---- logprobs -----------------------------------------------------------------------------------
 
     def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        """The token's text as the engine decoded it for its logprob entry. Only an echoed prompt's first
+        token has no entry (nothing precedes it to score it); its text is decoded here, as echo's is."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return decode_token(self.tokenizer, token_id, self._token_text_cache)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _top(self, entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
         ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:k]
