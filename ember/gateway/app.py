@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember.errors import ClientDisconnected
 from ember.gateway.admin import build_admin_router
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
@@ -32,10 +33,6 @@ SSE_HEADERS = [
 ]
 DONE_FRAME = b"data: [DONE]\n\n"
 WATCH_AFTER_S = 0.02
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request body was being read."""
 
 
 class GatewayExtension(Protocol):

@@ -23,6 +23,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.engine.errors import EngineError
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.errors import ClientDisconnected
 from ember.server.admission import AdmissionController, AdmissionTicket
 from ember.server.errors import APIError, bad_request, engine_error
 from ember.server.logprobs import LogprobFormatter
@@ -36,10 +37,6 @@ T = TypeVar("T")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 
 SYSTEM_FINGERPRINT = f"ember-{__version__}"
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response was ready; nothing is sent back."""
 
 
 @dataclass(frozen=True)
