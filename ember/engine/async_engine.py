@@ -74,7 +74,7 @@ class AsyncEngine:
         raises InvalidRequestError with `param` as the field's name."""
         self.engine.check_prompt(prompt_token_ids, param)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         """Raise InvalidTokenIdError if a token id is outside the vocabulary."""
         self.engine.check_token_ids(token_ids, param)
 

@@ -14,7 +14,8 @@ class EngineError(Exception):
 class InvalidRequestError(EngineError, ValueError):
     """The engine refuses this request as given; nothing was queued.
 
-    `param` names the offending request field (OpenAI's `param`), `code` is a machine-readable kind or None."""
+    `param` names the offending request field (OpenAI's `param`); `code` is a machine-readable kind, or
+    None."""
 
     code: str | None = None
 

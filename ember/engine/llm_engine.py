@@ -167,8 +167,9 @@ class LLMEngine:
         num_prompt, limit = len(prompt_token_ids), self.max_model_len
         if num_prompt >= limit:
             raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has {num_prompt} "
-                "tokens, which leaves no room for the completion. Please shorten the prompt.", param)
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
+                param)
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         """Raise InvalidTokenIdError naming a negative or non-integer id, else the largest id past the
@@ -178,7 +179,8 @@ class LLMEngine:
         if bad is None and token_ids and max(token_ids) >= vocab_size:
             bad = max(token_ids)
         if bad is not None:
-            raise InvalidTokenIdError(f"Token id {bad!r} is out of range (vocabulary size {vocab_size})", param)
+            raise InvalidTokenIdError(f"Token id {bad!r} is out of range (vocabulary size {vocab_size})",
+                                      param)
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
         if prepared.request_id in self.requests:

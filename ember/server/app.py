@@ -79,9 +79,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [
-            ModelCard(
-                id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len
-            )
+            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len)
             for name in settings.served_model_names
         ]
         return json_response(ModelList(data=cards))

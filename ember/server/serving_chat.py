@@ -83,7 +83,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
 
 def _top_logprobs(request: ChatCompletionRequest) -> int | None:
-    """The engine's logprobs count: None without `logprobs`, else top_logprobs (0: the sampled token's only)."""
+    """The engine's logprobs count: None without `logprobs`, else top_logprobs (0: only the sampled token)."""
     return (request.top_logprobs or 0) if request.logprobs else None
 
 

@@ -79,8 +79,9 @@ async def stream_events(
     """The SSE body: the renderer's chunks for each (prompt index, engine output), the usage chunk, [DONE].
 
     Engine outputs are deltas and list every choice each time; a choice already finished is skipped.
-    `finish(final outputs, tokens generated per prompt)` records the finished request and returns its usage;
-    `abandon(tokens generated per prompt)` is called instead when the stream ends early (client gone, error)."""
+    `finish(final outputs, tokens generated per prompt)` records the finished request and returns its
+    usage; `abandon(tokens generated per prompt)` is called instead when the stream ends early (client
+    gone, error)."""
     finals: list[RequestOutput | None] = [None] * num_prompts
     generated = [0] * num_prompts
     last_token_time: list[float | None] = [None] * num_prompts

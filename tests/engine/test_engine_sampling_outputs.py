@@ -152,7 +152,8 @@ def test_bad_requests_raise_typed_errors_naming_the_problem(make_llm, tiny_llm):
         engine.add_request("empty", [])
     assert raised.value.param == "prompt"
     vocab_size = engine.model_config.vocab_size
-    with pytest.raises(InvalidTokenIdError, match=rf"Token id {10**6} is out of range \(vocabulary size {vocab_size}\)"):
+    out_of_range = rf"Token id {10**6} is out of range \(vocabulary size {vocab_size}\)"
+    with pytest.raises(InvalidTokenIdError, match=out_of_range):
         engine.add_request("vocab", [1, 10**5, 10**6])
     with pytest.raises(InvalidTokenIdError, match="Token id -1 is out of range"):
         engine.add_request("negative", [1, -1, 10**6])

@@ -8,6 +8,14 @@ import httpx
 import openai
 import pytest
 
+from ember.engine.errors import (
+    EngineDeadError,
+    EngineRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from ember.server.errors import engine_error
+
 MODEL_NAME = "tiny"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
@@ -164,9 +172,44 @@ def test_engine_refusals_are_400s_naming_the_field(post, server, auth, tiny_mode
     )
     assert error["message"].startswith(f"This model's maximum context length is {limit} tokens.")
     error = assert_error(
-        post("/v1/completions", json={**COMPLETION, "min_tokens": 5, "max_tokens": 2}), 400, param="min_tokens"
+        post("/v1/completions", json={**COMPLETION, "min_tokens": 5, "max_tokens": 2}),
+        400,
+        param="min_tokens",
     )
     assert error["message"] == "min_tokens must be <= max_tokens (2), got 5"
+
+
+@pytest.mark.parametrize(
+    "error, status, error_type, code, param",
+    [
+        (
+            PromptTooLongError("too long", "messages"),
+            400,
+            "invalid_request_error",
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            InvalidSamplingParamsError("top_p must be in (0, 1]", "top_p"),
+            400,
+            "invalid_request_error",
+            None,
+            "top_p",
+        ),
+        (EngineRequestError("step failed"), 500, "server_error", "engine_error", None),
+        (EngineDeadError("gone"), 503, "service_unavailable_error", "engine_dead", None),
+    ],
+)
+def test_engine_errors_map_to_one_openai_error_each(error, status, error_type, code, param):
+    api_error = engine_error(error)
+    assert api_error.status == status
+    assert api_error.body()["error"] == {
+        "message": api_error.message,
+        "type": error_type,
+        "param": param,
+        "code": code,
+    }
+    assert str(error) in api_error.message
 
 
 def test_oversize_body_is_413(post):

@@ -29,5 +29,7 @@ def test_server_imports_only_the_engines_public_api():
                 if allowed is not None and not names <= allowed:
                     offending.append(f"{path.name}: from {node.module} import {', '.join(sorted(names))}")
             elif isinstance(node, ast.Import):
-                offending += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("ember.engine")]
+                offending += [
+                    f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("ember.engine")
+                ]
     assert offending == []
