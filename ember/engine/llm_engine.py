@@ -16,6 +16,7 @@ import torch
 from ember.engine.args import EngineArgs
 from ember.engine.block_manager import BlockManager
 from ember.engine.detokenizer import IncrementalDetokenizer, decode_token
+from ember.engine.errors import EmptyPromptError, InvalidRequestError, InvalidTokenIdError, PromptTooLongError
 from ember.engine.model_runner import ModelRunner
 from ember.engine.ngram_proposer import NgramProposer
 from ember.engine.outputs import (
@@ -136,8 +137,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for a duplicate id, an empty or too long prompt, or
-        token ids outside the vocabulary."""
+        """Queue a request. Raises InvalidRequestError (a ValueError) for a duplicate id, an empty or too long
+        prompt, token ids outside the vocabulary, or n above max_num_seqs."""
         self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority, arrival_time))
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -150,24 +151,40 @@ class LLMEngine:
         else:
             prompt_text = None
             prompt_token_ids = list(prompt)
-            vocab_size = self.model_config.vocab_size
-            bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
-                             "no room left for output")
+        self.check_prompt(prompt_token_ids)
         if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}",
+                                      param="n")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         return PreparedRequest(request_id, prompt_text, prompt_token_ids, params, priority, arrival_time)
 
+    def check_prompt(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
+        """Raise InvalidRequestError unless the prompt is non-empty, in the vocabulary and leaves room for
+        output; `param` names the caller's field holding the prompt."""
+        self.check_token_ids(prompt_token_ids, param)
+        if not prompt_token_ids:
+            raise EmptyPromptError("The prompt is empty (it encodes to zero tokens)", param)
+        num_prompt, limit = len(prompt_token_ids), self.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
+                param)
+
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
+        """Raise InvalidTokenIdError naming a negative or non-integer id, else the largest id past the
+        vocabulary, if there is one."""
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or t < 0), None)
+        if bad is None and token_ids and max(token_ids) >= vocab_size:
+            bad = max(token_ids)
+        if bad is not None:
+            raise InvalidTokenIdError(f"Token id {bad!r} is out of range (vocabulary size {vocab_size})",
+                                      param)
+
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
         if prepared.request_id in self.requests:
-            raise ValueError(f"request_id {prepared.request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {prepared.request_id!r} is already in use")
         request = _Request(prepared)
         seq = self._new_sequence(request, 0, prepared.prompt_token_ids, prepared.priority)
         seq.num_forks = prepared.params.n - 1

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember import sse
+from ember.errors import ClientDisconnected
 from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
@@ -41,10 +42,6 @@ SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
     (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
 WATCH_AFTER_S = 0.02
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request body was being read."""
 
 
 def error_response(exc: GatewayError) -> JSONResponse:
