@@ -83,7 +83,7 @@ class ModelRunner:
         return max(1, min(needed, budget))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
         sequence, and the scores of prompt tokens for sequences that ask for prompt logprobs."""
         scheduled = out.scheduled
@@ -125,7 +125,7 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        result = StepResult([None] * len(scheduled), [None] * len(scheduled))
+        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
         rows = sample_rows + prompt_rows
         if not rows:
             return result
@@ -149,7 +149,7 @@ class ModelRunner:
 
 
 @dataclass
-class StepResult:
+class ModelRunnerOutput:
     """What one step computed, aligned with SchedulerOutput.scheduled."""
 
     # The tokens each sequence gains (its accepted draft tokens, then one sampled token); None where the
