@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ember.engine.resources import DEFAULT_MAX_MODEL_LEN_CAP
 from ember.errors import EmberError
 from ember.kernels.native import KERNEL_CHOICES
 
@@ -82,7 +83,7 @@ class EngineArgs:
     model: str = "smollm2-135m-instruct"  # alias, HF folder or .gguf
     dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (~300x slower)
     device: str = "auto"  # auto -> cuda if available else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings capped at 8192
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped (resources.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; default sized by the model runner
     max_num_seqs: int = 64
@@ -132,7 +133,8 @@ class EngineArgs:
         group.add_argument("--device", default=defaults.device,
                            help="auto, cpu, cuda or cuda:N (auto picks cuda when available)")
         group.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
-                           help="longest prompt + completion in tokens (default: the model's, capped at 8192)")
+                           help="longest prompt + completion in tokens (default: the model's, capped at "
+                                f"{DEFAULT_MAX_MODEL_LEN_CAP})")
         group.add_argument("--block-size", type=int, default=defaults.block_size,
                            help="tokens per paged KV-cache block (default: %(default)s)")
         group.add_argument("--kv-cache-memory", type=float, default=defaults.kv_cache_memory,

@@ -4,7 +4,6 @@ Nothing here is thread-safe; AsyncEngine drives one LLMEngine from a single thre
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -18,21 +17,13 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.ngram_proposer import NgramProposer
 from ember.engine.output_processor import OutputProcessor, RequestState
 from ember.engine.outputs import EngineStats, RequestOutput
+from ember.engine.resources import resolve_device, resolve_max_model_len
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
-from ember.errors import EmberError
 from ember.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 @dataclass(frozen=True)
@@ -56,9 +47,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
-        self.runner = ModelRunner(loaded.config, loaded.state_dict, dataclasses.replace(args, device=str(device)))
+        self.runner = ModelRunner(loaded.config, loaded.state_dict, args)
         loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.model_config, args.max_model_len,
+                                                   self.runner.num_blocks * self.runner.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           args.enable_prefix_caching)
         spec = args.speculative_config
@@ -72,19 +64,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
-
-    def _resolve_max_model_len(self) -> int:
-        model_max = self.model_config.max_position_embeddings
-        kv_capacity = self.runner.num_blocks * self.runner.block_size
-        if self.args.max_model_len is None:
-            return min(model_max, DEFAULT_MAX_MODEL_LEN_CAP, kv_capacity)
-        if self.args.max_model_len > model_max:
-            raise EmberError(f"max_model_len {self.args.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_max})")
-        if self.args.max_model_len > kv_capacity:
-            raise EmberError(f"max_model_len {self.args.max_model_len} does not fit the KV cache "
-                             f"({kv_capacity} tokens): raise kv_cache_memory or lower max_model_len")
-        return self.args.max_model_len
 
     # ---- requests -----------------------------------------------------------------------------
 
