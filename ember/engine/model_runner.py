@@ -13,6 +13,7 @@ import torch
 from ember.engine.args import EngineArgs
 from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
@@ -55,7 +56,7 @@ class ModelRunner:
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler(config.eos_token_ids, self.device, args.seed, self.native)
+        self.sampler = Sampler(self.device, args.seed, self.native)
         logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     self.dtype, self.device, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
@@ -113,8 +114,10 @@ class ModelRunner:
         # The sampler upcasts to float32 itself where it needs more than each row's argmax.
         logits = self.model.compute_logits(hidden, upcast=False)
         if sample_rows:
-            tokens = self.sampler(logits[: len(sample_rows)], [scheduled[i].seq for i in sampled_seqs],
-                                  [scheduled[i].draft_token_ids for i in sampled_seqs])
+            metadata = SamplingMetadata.from_sequences(
+                [scheduled[i].seq for i in sampled_seqs], [scheduled[i].draft_token_ids for i in sampled_seqs],
+                self.config.eos_token_ids, self.device)
+            tokens = self.sampler(logits[: len(sample_rows)], metadata)
             for i, token in zip(sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token
         if prompt_rows:
