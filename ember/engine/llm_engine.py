@@ -21,7 +21,7 @@ from ember.engine.resources import resolve_device, resolve_max_model_len
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
-from ember.loader import LoadedModel, load_model
+from ember.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,9 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        device = resolve_device(args.device)
-        if loaded is None:
-            loaded = load_model(args.model, dtype=args.dtype, device=device)
+        loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device))
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
@@ -60,10 +58,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    eos_token_ids, proposer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -129,9 +123,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # ---- the step -----------------------------------------------------------------------------
 

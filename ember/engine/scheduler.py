@@ -89,9 +89,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         insort(self.waiting, seq, key=_sort_key)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence, status: SequenceStatus, num_tokens: int | None = None) -> None:
         """Take `seq` out of the queues with a final status and free its blocks at once (also for a seq
         already finished: the status is overridden). `num_tokens` keeps only that many token ids: a stop
