@@ -16,9 +16,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
 # context: short steps let a new request's prefill start (and its first token come out) sooner and keep
-# running streams' inter-token latency low, at some cost in prefill throughput. Measured on the 2-core dev
-# machine (docs/benchmarks.md): at 8 concurrent streams, 256 halves the median TTFT against 1024 at equal
-# output tok/s, while pure prefill runs ~25% slower.
+# running streams' inter-token latency low, at some cost in prefill throughput (measured in
+# docs/benchmarks.md, "The server's step budget").
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
 
 
@@ -81,7 +80,7 @@ class SpeculativeConfig:
 @dataclass
 class EngineArgs:
     model: str = "smollm2-135m-instruct"  # alias, HF folder or .gguf
-    dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (~300x slower)
+    dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (far slower)
     device: str = "auto"  # auto -> cuda if available else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped (resources.py)
     block_size: int = 16
