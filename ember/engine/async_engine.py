@@ -201,7 +201,7 @@ def _build_off_this_thread(args: EngineArgs) -> LLMEngine:
     libgomp gives each thread that runs a parallel region its own pool of OpenMP workers, and once the
     pools hold more threads than there are cores it stops spin-waiting between regions. A model step runs
     hundreds of small parallel regions, so a pool left behind by the event loop's thread (from loading the
-    weights there) made every step of the engine thread about 2x slower on 2 cores. A finished thread's
+    weights there) made every step of the engine thread far slower (docs/benchmarks.md). A finished thread's
     pool goes away with it; the event loop's thread then never runs torch at all."""
     built: dict[str, Any] = {}
 

@@ -155,4 +155,4 @@ def test_finish_from_any_queue_frees_blocks_at_once():
     assert b.block_table == [] and c not in scheduler.waiting and b not in scheduler.running
     check(scheduler, [a, b, c])
     scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)
-    assert bm.num_free_blocks == 8 and not scheduler.has_unfinished()
+    assert bm.num_free_blocks == 8 and not scheduler.running and not scheduler.waiting

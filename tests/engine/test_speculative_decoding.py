@@ -13,6 +13,7 @@ from ember import SamplingParams
 from ember.engine.args import EngineArgs, SpeculativeConfig
 from ember.engine.ngram_proposer import NgramProposer
 from ember.engine.sampler import Sampler
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.sequence import Sequence
 from ember.errors import EmberError
 
@@ -176,7 +177,8 @@ def test_sampled_verification_keeps_the_target_distribution() -> None:
     rows = 20_000
     seqs = [Sequence("r", i, 0, [2, 3], SamplingParams(temperature=1.0)) for i in range(rows)]
     logits = logits_row.expand(2 * rows, vocab).contiguous()
-    out = Sampler([5], torch.device("cpu"), seed=3)(logits, seqs, [[1] for _ in range(rows)])
+    metadata = SamplingMetadata.from_sequences(seqs, [[1] for _ in range(rows)], [5], torch.device("cpu"))
+    out = Sampler(torch.device("cpu"), seed=3)(logits, metadata)
     first = torch.tensor([tokens[0].token_id for tokens in out])
     frequencies = torch.bincount(first, minlength=vocab).float() / rows
     torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
