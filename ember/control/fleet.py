@@ -126,8 +126,9 @@ class Fleet:
     gateway: GatewayConfig
     launch: LaunchConfig
     children: list[ChildSpec]  # the gateway first: it is stopped first on shutdown
-    autoscaled: dict[str, AutoscaledModel]
-    credential: str  # the service credential only the gateway holds; every replica the fleet starts requires it
+    autoscaled: dict[str, AutoscaledModel] = field(default_factory=dict)
+    # The service credential only the gateway holds; every replica the fleet starts requires it.
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def gateway_url(self) -> str:
