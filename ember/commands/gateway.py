@@ -25,6 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Also serve the ember.v1.Inference gRPC API on this port (default: async.grpc.port, else off)",
     )
     parser.add_argument(
+        "--config-overlay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="A YAML file merged over --config (repeatable; on Kubernetes: the keys Secret over the ConfigMap)",
+    )
+    parser.add_argument(
         "--fleet-replicas",
         nargs="+",
         default=[],
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from ember.http_protocol import header_timeout_protocol
 
     http_protocol = header_timeout_protocol(args.header_timeout)
-    config = load_config(args.config)  # a bad file fails here, before anything listens
+    config = load_config(args.config, args.config_overlay)  # a bad file fails here, before anything listens
     if args.fleet_replicas:
         credential = os.environ.get(FLEET_CREDENTIAL_ENV)
         if not credential:
