@@ -123,7 +123,7 @@ def model_deployments(fleet: Fleet, settings: KubernetesLaunch) -> list[ModelDep
     return deployments
 
 
-def gateway_config_documents(raw: dict[str, Any], deployments: list[ModelDeployment], namespace: str) -> tuple[dict, dict]:
+def gateway_config_documents(raw: dict[str, Any], deployments: list[ModelDeployment]) -> tuple[dict, dict]:
     """The fleet file split in two: the gateway config of the ConfigMap (replicas discovered, the fleet's
     credential their key, no `launch:`) and the Secret's overlay (admin digest and inline keys)."""
     config = {key: value for key, value in raw.items() if key not in ("launch", "admin_key_sha256")}
@@ -149,7 +149,8 @@ def gateway_config_documents(raw: dict[str, Any], deployments: list[ModelDeploym
                 "api_key" in deployment or "api_key_env" in deployment
             ):
                 raise FleetError(f"models.{model_name}: the replicas' key is the fleet credential on Kubernetes; remove api_key")
-            discovery = {"service": item.name, "namespace": namespace, "port": "http", "capacity": item.capacity}
+            # No namespace: the gateway's own, where its replicas' Services are too.
+            discovery = {"service": item.name, "port": "http", "capacity": item.capacity}
             if item.region is not None:
                 discovery["region"] = item.region
             rendered.append(
@@ -317,7 +318,7 @@ def render(fleet: Fleet, credential: str | None = None) -> dict[str, list[dict[s
     raw = yaml.safe_load(fleet.path.read_text(encoding="utf-8"))
     deployments = model_deployments(fleet, settings)
     try:
-        config, secret_overlay = gateway_config_documents(raw, deployments, settings.namespace)
+        config, secret_overlay = gateway_config_documents(raw, deployments)
     except FleetError as exc:
         raise FleetError(f"{fleet.path}: {exc}") from None
     files: dict[str, list[dict[str, Any]]] = {}

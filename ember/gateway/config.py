@@ -22,7 +22,7 @@ Shape (every section but `models` is optional):
             weight: 90                  # traffic share among this model's deployments (canaries)
             api_key_env: REPLICA_KEY    # the replicas' own key (vLLM --api-key), for all its replicas
             replicas:                   # or, on Kubernetes, instead of a list:
-                                        #   discovery: {kubernetes: {service: NAME, namespace: NS, port: http}}
+                                        #   discovery: {kubernetes: {service: NAME, port: http}}
               - url: http://127.0.0.1:8001
                 region: us-east
                 labels: {hw: cpu}
@@ -125,7 +125,7 @@ class KubernetesDiscovery(StrictModel):
     """The ready endpoints of a Kubernetes Service are the deployment's replicas (ember.gateway.discovery)."""
 
     service: str = Field(description="The Service whose EndpointSlices list the replicas")
-    namespace: str
+    namespace: str | None = Field(default=None, description="Default: the namespace the gateway's pod runs in")
     port: str | int = Field(default="http", description="The Service port's name, or its number")
     scheme: Literal["http", "https"] = "http"
     capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each pod")
