@@ -6,55 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import pytest
-from fake_kube_api import FakeKubeApi
-from gateway_harness import FakeReplica, GatewayServer, free_port, gateway_config, http, wait_until
-
-KEY = "sk-test"
-AUTH = {"authorization": f"Bearer {KEY}"}
-DEPLOYMENT = "ember-tiny-main"
-PODS = [f"{DEPLOYMENT}-0000{n}" for n in (1, 2, 3)]
-IDS = [f"ember/{DEPLOYMENT}/{pod}" for pod in PODS]
-
-
-@pytest.fixture
-def fake_api(tmp_path, monkeypatch):
-    api = FakeKubeApi("ember").start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(api.kubeconfig())
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    yield api
-    api.stop()
-
-
-@pytest.fixture
-def pods():
-    """Three replicas on 127.0.0.2-4, one port: what the pods of a Deployment look like to the gateway."""
-    port = free_port()
-    started = [FakeReplica(pod, port=port, host=f"127.0.0.{n + 2}").start() for n, pod in enumerate(PODS)]
-    yield started
-    for replica in started:
-        replica.stop()
-
-
-@pytest.fixture
-def static_replica():
-    replica = FakeReplica("static").start()
-    yield replica
-    replica.stop()
-
-
-@pytest.fixture
-def gateway(fake_api, pods, static_replica, tmp_path, monkeypatch):
-    monkeypatch.setenv("EMBER_FLEET_CREDENTIAL", "fleet-secret")
-    fake_api.add_deployment(DEPLOYMENT, DEPLOYMENT, pods[0].server.port, lambda n: f"127.0.0.{n + 1}", replicas=2)
-    discovered = {"deployments": [{"name": "main", "model": "tiny-v1", "api_key_env": "EMBER_FLEET_CREDENTIAL",
-                                   "discovery": {"kubernetes": {"service": DEPLOYMENT, "port": "http", "capacity": 4}}}]}  # fmt: skip
-    static = {"deployments": [{"name": "main", "replicas": [{"url": static_replica.url, "id": "static"}]}]}
-    server = GatewayServer(gateway_config({"tiny": discovered, "plain": static}, [{"name": "k", "secret": KEY}]), tmp_path)
-    server.server.start()
-    yield server
-    server.server.stop()
+from gateway_harness import GatewayServer, http, wait_until
+from kube_scenario import AUTH, DEPLOYMENT, IDS, PODS
 
 
 def chat(gateway: GatewayServer, model: str = "tiny"):
