@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         if not credential:
             raise EmberError(f"--fleet-replicas needs the fleet's credential in ${FLEET_CREDENTIAL_ENV}")
         config = with_replica_api_keys(config, dict.fromkeys(args.fleet_replicas, credential))
+    discovered = any(d.discovery is not None for model in config.models.values() for d in model.deployments)
+    if discovered and importlib.util.find_spec("kubernetes") is None:
+        raise EmberError("discovery.kubernetes needs the official client: pip install 'ember[kubernetes]'")
     app = create_app(config, protocol_extensions(config, args.grpc_port))
     uvicorn.run(
         app,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -88,6 +89,7 @@ class FakeKubeApi:
         self.requests: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query), in arrival order
         self.patches: list[tuple[str, Any, str]] = []  # (path, body, content type)
         self._watches: list[OpenWatch] = []
+        self.last_event_at = 0.0  # time.monotonic() when the last EndpointSlice event was queued on the watches
         routes = [
             Route("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._endpoint_slices),
             Route("/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self._scale, methods=["GET", "PATCH"]),
@@ -227,6 +229,7 @@ class FakeKubeApi:
         }  # fmt: skip
         kind = "MODIFIED" if any(obj["metadata"]["name"] == endpoint_slice["metadata"]["name"] for _, _, obj in self.history) else "ADDED"
         self.history.append((self.resource_version, kind, endpoint_slice))
+        self.last_event_at = time.monotonic()
         for watch in self._watches:
             watch.events.put_nowait({"type": kind, "object": endpoint_slice})
 
