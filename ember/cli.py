@@ -24,6 +24,7 @@ COMMAND_EXTRAS = {
     "serve": "engine",
     "gateway": "gateway",
     "up": "gateway",
+    "deploy": "gateway",
     "keys": "gateway",
     "bench": "bench",
 }

@@ -20,7 +20,7 @@ from ember.deploy.helm import chart_files
 from ember.deploy.kubernetes import render
 from ember.gateway.config import FLEET_CREDENTIAL_ENV, merge_mappings, parse_config
 
-KUBERNETES_VERSION = "1.33"
+KUBERNETES_VERSION = "1.35"
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "ember"
 CREDENTIAL = "fleet-credential-for-tests"
