@@ -2,6 +2,7 @@
 cannot drift:
 
     python -m ember.deploy.helm deploy/helm/ember     # after changing ember/deploy/kubernetes.py
+    python -m ember.deploy.helm my-chart fleet.yaml   # a chart of your own fleet file
 
 The chart is the packaged default fleet's manifests with the parts an operator changes turned into
 values (image, replica counts, resources, the gateway config and keys, the fleet credential, the
@@ -20,7 +21,15 @@ import yaml
 
 from ember.commands.up import default_fleet_path
 from ember.control.fleet import load_fleet
-from ember.deploy.kubernetes import CREDENTIAL_SECRET, GATEWAY_NAME, KEYS_SECRET, dump_objects, render
+from ember.deploy.kubernetes import (
+    CREDENTIAL_SECRET,
+    GATEWAY_NAME,
+    KEYS_SECRET,
+    dump_objects,
+    render,
+    service_monitor,
+)
+from ember.deploy.settings import KubernetesLaunch
 
 CHART_VERSION = "0.1.0"
 # Helm expressions stand in the rendered objects as these markers until the YAML text is written.
@@ -105,22 +114,21 @@ def _template_text(objects: list[dict[str, Any]]) -> str:
     return MARKER.sub(lambda match: f"{{{{ {match.group(1)} }}}}", text)
 
 
-def chart_files() -> dict[str, str]:
-    """Path inside the chart -> its text."""
-    fleet = load_fleet(default_fleet_path())
-    values: dict[str, Any] = {"fleetCredential": ""}
+def chart_files(fleet_path: str | Path | None = None) -> dict[str, str]:
+    """Path inside the chart -> its text; the chart of the packaged fleet by default."""
+    fleet = load_fleet(fleet_path or default_fleet_path())
+    settings = fleet.launch.kubernetes or KubernetesLaunch()
+    values: dict[str, Any] = {"fleetCredential": "", "serviceMonitor": {"enabled": settings.service_monitor}}
     files = {}
     for name, objects in render(fleet).items():
-        if name == "00-namespace.yaml":  # helm install --namespace NS --create-namespace
-            continue
-        if name == "30-servicemonitor.yaml":
-            values["serviceMonitor"] = {"enabled": True}
-            for obj in objects:
-                obj["metadata"]["namespace"] = SCALAR.format(".Release.Namespace")
-            body = _template_text(objects)
-            files[f"templates/{name}"] = f"{{{{- if {_values_path('serviceMonitor', 'enabled')} }}}}\n{body}{{{{- end }}}}\n"
-            continue
-        files[f"templates/{name}"] = _template_text([_templated(obj, values) for obj in objects])
+        # The Namespace: helm install --namespace NS --create-namespace; the ServiceMonitor: below, always.
+        if name not in ("00-namespace.yaml", "30-servicemonitor.yaml"):
+            files[f"templates/{name}"] = _template_text([_templated(obj, values) for obj in objects])
+    monitor = service_monitor(settings)
+    monitor["metadata"]["namespace"] = SCALAR.format(".Release.Namespace")
+    files["templates/30-servicemonitor.yaml"] = (
+        f"{{{{- if {_values_path('serviceMonitor', 'enabled')} }}}}\n{_template_text([monitor])}{{{{- end }}}}\n"
+    )
     files["values.yaml"] = VALUES_HEADER + "".join(
         f"\n{comment}\n{yaml.safe_dump({key: values[key]}, sort_keys=False)}" for key, comment in VALUES_COMMENTS.items()
     )
@@ -132,12 +140,12 @@ def chart_files() -> dict[str, str]:
     return files
 
 
-def write_chart(directory: Path) -> None:
-    for relative, text in chart_files().items():
+def write_chart(directory: Path, fleet_path: str | None = None) -> None:
+    for relative, text in chart_files(fleet_path).items():
         path = directory / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
-    write_chart(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy/helm/ember"))
+    write_chart(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy/helm/ember"), *sys.argv[2:3])

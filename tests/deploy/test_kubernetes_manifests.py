@@ -16,7 +16,7 @@ from helm_renderer import helm_template
 from ember.cli import main
 from ember.commands.up import default_fleet_path
 from ember.control.fleet import FleetError, load_fleet
-from ember.deploy.helm import chart_files
+from ember.deploy.helm import chart_files, write_chart
 from ember.deploy.kubernetes import render
 from ember.gateway.config import FLEET_CREDENTIAL_ENV, merge_mappings, parse_config
 
@@ -193,11 +193,19 @@ def test_the_committed_chart_is_the_renderers_output():
     assert committed == chart_files(), "deploy/helm/ember is stale: run python -m ember.deploy.helm deploy/helm/ember"
 
 
-def test_the_chart_with_its_default_values_renders_what_ember_deploy_renders(monkeypatch):
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    chart_objects = helm_template(CHART, "ember", {**values, "fleetCredential": CREDENTIAL})
+@pytest.mark.parametrize("fleet", ["packaged", "autoscaled"])
+def test_the_chart_with_its_default_values_renders_what_ember_deploy_renders(tmp_path, fleet):
+    if fleet == "packaged":
+        chart, fleet_path = CHART, Path(default_fleet_path())
+    else:  # the chart of another fleet file: python -m ember.deploy.helm DIR fleet.yaml
+        fleet_path, chart = tmp_path / "fleet.yaml", tmp_path / "chart"
+        fleet_path.write_text(AUTOSCALED_FLEET)
+        write_chart(chart, str(fleet_path))
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    namespace = load_fleet(fleet_path).launch.kubernetes.namespace if fleet == "autoscaled" else "ember"
+    chart_objects = helm_template(chart, namespace, {**values, "fleetCredential": CREDENTIAL})
     assert validate_all(chart_objects)
-    plain = [obj for obj in sum(render(load_fleet(default_fleet_path()), credential=CREDENTIAL).values(), [])
+    plain = [obj for obj in sum(render(load_fleet(fleet_path), credential=CREDENTIAL).values(), [])
              if obj["kind"] != "Namespace"]  # fmt: skip
 
     def comparable(obj: dict) -> dict:  # YAML held in strings compared as data, not as text
