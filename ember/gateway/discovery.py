@@ -157,7 +157,11 @@ class EndpointSliceWatcher:
             self._publish(received)
 
     def _publish(self, received: float) -> None:
-        endpoints = {e.replica_id: e for endpoints in self._slices.values() for e in endpoints}
+        endpoints: dict[str, Endpoint] = {}
+        for endpoint in (e for listed in self._slices.values() for e in listed):
+            # A pod may show in two slices while they are rebalanced: routable if either copy says so.
+            if endpoint.routable or endpoint.replica_id not in endpoints:
+                endpoints[endpoint.replica_id] = endpoint
         if self._loop is not None and not self._stopping.is_set():
             self._loop.call_soon_threadsafe(self._reconcile, endpoints, received)
 
