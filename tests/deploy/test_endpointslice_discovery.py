@@ -8,6 +8,10 @@ import concurrent.futures
 
 from gateway_harness import GatewayServer, http, wait_until
 from kube_scenario import AUTH, DEPLOYMENT, IDS, PODS
+from kubernetes import client
+
+from ember.gateway.config import KubernetesDiscovery
+from ember.gateway.discovery import Endpoint, slice_endpoints
 
 
 def chat(gateway: GatewayServer, model: str = "tiny"):
@@ -95,3 +99,35 @@ def test_watches_resume_from_bookmarks_and_relist_after_410_gone(gateway, fake_a
     assert gone["resourceVersion"] == bookmark_version
     assert int(resumed["resourceVersion"]) == fake_api.compacted_before
     assert {chat(gateway).headers["x-ember-replica"] for _ in range(4)} == {IDS[0], IDS[1]}
+
+
+def test_endpoints_are_read_as_kubernetes_defines_their_conditions():
+    def endpoint(address: str, pod: str, **conditions) -> client.V1Endpoint:
+        return client.V1Endpoint(
+            addresses=[address], target_ref=client.V1ObjectReference(kind="Pod", name=pod),
+            conditions=client.V1EndpointConditions(**conditions) if conditions else None,
+        )  # fmt: skip
+
+    endpoints = [
+        endpoint("fd00::1", "unset"),  # no conditions: ready
+        endpoint("fd00::2", "ready", ready=True, serving=True, terminating=False),
+        endpoint("fd00::3", "loading", ready=False, serving=False, terminating=False),
+        endpoint("fd00::4", "leaving", ready=False, serving=True, terminating=True),
+    ]
+    ipv6 = client.V1EndpointSlice(
+        address_type="IPv6", endpoints=endpoints, metadata=client.V1ObjectMeta(name="s-1"),
+        ports=[client.DiscoveryV1EndpointPort(name="metrics", port=9090), client.DiscoveryV1EndpointPort(name="http", port=8000)],
+    )  # fmt: skip
+    by_name = KubernetesDiscovery(service="svc", port="http")
+    assert slice_endpoints(ipv6, by_name, "ns") == [
+        Endpoint("ns/svc/unset", "http://[fd00::1]:8000", True),
+        Endpoint("ns/svc/ready", "http://[fd00::2]:8000", True),
+        Endpoint("ns/svc/loading", "http://[fd00::3]:8000", False),
+        Endpoint("ns/svc/leaving", "http://[fd00::4]:8000", False),
+    ]
+    assert [e.url for e in slice_endpoints(ipv6, KubernetesDiscovery(service="svc", port=9090), "ns")][:1] == [
+        "http://[fd00::1]:9090"
+    ]
+    assert slice_endpoints(ipv6, KubernetesDiscovery(service="svc", port="grpc"), "ns") == []  # no such port
+    fqdn = client.V1EndpointSlice(address_type="FQDN", endpoints=endpoints[:1], ports=ipv6.ports)
+    assert slice_endpoints(fqdn, by_name, "ns") == []
