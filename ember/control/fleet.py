@@ -12,6 +12,7 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       autoscaled:                             # how to start replicas of models with an `autoscaling:` section
         tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}
       autoscaler: {interval_s: 2, port: 8090} # decision interval; /metrics and /status of `ember up` (optional)
+      kubernetes: {...}                       # `ember deploy k8s` only (ember.deploy.settings)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
@@ -33,6 +34,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
 
+from ember.deploy.settings import KubernetesLaunch
 from ember.errors import EmberError
 from ember.gateway.config import (
     FLEET_CREDENTIAL_ENV,
@@ -98,6 +100,7 @@ class LaunchConfig(StrictModel):
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="Per child, before SIGKILL")
     autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
     autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
+    kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` only
 
 
 @dataclass(frozen=True)

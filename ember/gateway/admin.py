@@ -16,10 +16,8 @@ is accepted: it is how the autoscaler registers the replicas it starts.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -29,10 +27,10 @@ from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
 from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer, require_endpoint
+from ember.gateway.membership import join, leave, new_replica
 from ember.gateway.replicas import Replica
 
 CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
-DRAIN_POLL_S = 0.05
 
 
 class NewKey(KeyPolicy):
@@ -158,31 +156,18 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
             )  # fmt: skip
         if dispatcher.pool.get(registration.replica_id) is not None:
             raise GatewayError(409, f"Replica {registration.replica_id!r} is already registered.", code="replica_exists", param="id")
-        replica = Replica(
-            id=registration.replica_id,
-            url=registration.url,
-            model=registration.model,
-            upstream_model=deployment.model or registration.model,
-            deployment=deployment.name,
-            version=deployment.version,
-            weight=deployment.weight,
-            region=registration.region,
-            labels=dict(registration.labels),
-            capacity=registration.capacity,
-        )
-        dispatcher.pool.add(replica)
-        await dispatcher.health.probe(replica)  # admitted now if it already answers, else by the prober later
+        replica = new_replica(
+            registration.model, deployment, replica_id=registration.replica_id, url=registration.url,
+            region=registration.region, labels=dict(registration.labels), capacity=registration.capacity,
+        )  # fmt: skip
+        await join(dispatcher, replica)
         return replica_state(replica)
 
     @router.delete("/replicas/{replica_id:path}")
     async def deregister_replica(replica_id: str, timeout_s: float = Query(default=30.0, ge=0)) -> dict[str, Any]:
-        replica = dispatcher.pool.remove(replica_id)
+        replica = await leave(dispatcher, replica_id, timeout_s)
         if replica is None:
             raise GatewayError(404, f"No replica {replica_id!r} is registered.", code="replica_not_found")
-        deadline = time.monotonic() + timeout_s
-        while replica.outstanding > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        dispatcher.pool.forget_drained(replica)
         return {**replica_state(replica), "state": "removed", "drained": replica.outstanding == 0}
 
     return router

@@ -57,6 +57,7 @@ class GatewayApp:
         self.extensions = [factory(self.dispatcher) for factory in extension_factories]
         self.max_body_bytes = config.limits.max_body_bytes
         self.api = build_api(self.dispatcher, self.extensions)
+        self.discovery: list = []  # EndpointSliceWatchers (ember.gateway.discovery), one per discovered deployment
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -78,12 +79,18 @@ class GatewayApp:
 
     async def start(self) -> None:
         await self.dispatcher.start()
+        if any(d.discovery is not None for model in self.config.models.values() for d in model.deployments):
+            from ember.gateway.discovery import start_discovery  # the kubernetes client, only when used
+
+            self.discovery = await start_discovery(self.dispatcher)
         for extension in self.extensions:
             await extension.start()
 
     async def stop(self) -> None:
         for extension in reversed(self.extensions):
             await extension.stop()
+        for watcher in self.discovery:
+            await watcher.stop()
         await self.dispatcher.stop()
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
