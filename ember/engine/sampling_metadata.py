@@ -7,11 +7,12 @@ without penalties builds none."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
+from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
 
 
@@ -98,7 +99,7 @@ def _min_tokens_bans(row_seqs: list[Sequence], eos_token_ids: list[int],
 
 
 def _penalty(row_seqs: list[Sequence], device: torch.device, output_only: bool, names: tuple[str, ...],
-             applies) -> Penalty | None:
+             applies: Callable[[SamplingParams], bool]) -> Penalty | None:
     rows = [row for row, seq in enumerate(row_seqs) if applies(seq.params)]
     if not rows:
         return None
