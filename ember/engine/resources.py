@@ -5,10 +5,14 @@ max_model_len need); max_model_len is then checked against the model and that ca
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ember.errors import EmberError
-from ember.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the CLI imports this module for its defaults on hosts without torch (ember[gateway])
+    import torch
+
+    from ember.models.config import ModelConfig
 
 GiB = 1 << 30
 # Without --max-model-len: the model's max_position_embeddings, capped at this.
@@ -19,6 +23,8 @@ DEFAULT_KV_CACHE_GIB = {"cpu": 1.0, "cuda": 4.0}
 
 def resolve_device(device: str) -> torch.device:
     """EngineArgs.device as a torch device: auto -> cuda if available, else cpu."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
