@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import field_validator
 
 from ember.gateway.config import KeyPolicy
 from ember.gateway.dispatch import Dispatcher
@@ -22,6 +23,17 @@ from ember.gateway.keys import KeyStore, KeyStoreError
 
 class NewKey(KeyPolicy):
     name: str
+
+    @field_validator("name", "models")
+    @classmethod
+    def _storable_text(cls, value: str | list[str]) -> str | list[str]:
+        """JSON may escape a lone surrogate ("\\ud800"), which SQLite and JSON output cannot encode."""
+        for text in [value] if isinstance(value, str) else value:
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return value
 
 
 def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
