@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -99,11 +99,14 @@ def auth(key: str = KEY) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def start_ember_serve(model_dir: Path, log_path: Path, max_model_len: int = 1024) -> tuple[subprocess.Popen, str]:
+def start_ember_serve(
+    model_dir: Path, log_path: Path, max_model_len: int = 1024, extra_args: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable, "-m", "ember.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
         "--served-model-name", "tiny", "--port", str(port), "--num-threads", "1", "--max-model-len", str(max_model_len),
+        *extra_args,
     ]  # fmt: skip
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(
