@@ -2,8 +2,9 @@
 
 Import it as `fuzz_requests` (tests/fuzz/conftest.py puts this folder on sys.path). A request is
 a `FuzzRequest` (method, path, query, headers, body bytes); `answer_problem(response, request)` says
-what is wrong with the answer, or None: it must be a 2xx/3xx/4xx, and every 4xx is OpenAI's
-`{"error": {"message", "type", "param", "code"}}` in JSON.
+what is wrong with the answer, or None: it must be a 2xx/3xx/4xx, every 4xx is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` in JSON, and a stream ends with `data: [DONE]` or
+an error event.
 
 Budget: EMBER_FUZZ_EXAMPLES examples per test (default 100; `make test` runs with the default and a
 fixed seed, so its runs are reproducible). Setting the variable also draws fresh random examples.
