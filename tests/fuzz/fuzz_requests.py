@@ -276,4 +276,5 @@ PATH_JUNK = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclud
 def paths(known: list[str]) -> st.SearchStrategy[str]:
     """A known route, a known route with a junk tail, or junk."""
     known_path = st.sampled_from(known)
-    return st.one_of(known_path, known_path, st.tuples(known_path, PATH_JUNK).map("/".join), PATH_JUNK.map("/{}".format))
+    junk_path = PATH_JUNK.map(lambda text: "/" + text.lstrip("/"))  # "//x" would name a host, not a path
+    return st.one_of(known_path, known_path, st.tuples(known_path, PATH_JUNK).map("/".join), junk_path)
