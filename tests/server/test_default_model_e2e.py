@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 
 from ember import LLM, SamplingParams
@@ -57,18 +58,18 @@ def client(default_server: str) -> OpenAI:
 
 def test_chat_and_completions_answer(client: OpenAI) -> None:
     assert [model.id for model in client.models.list().data] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
     assert "Paris" in chat.choices[0].message.content
-    assert chat.choices[0].message.role == "assistant" and 0 < chat.usage.completion_tokens <= 24
+    assert chat.choices[0].message.role == "assistant" and 0 < chat.usage.completion_tokens <= 12
     completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert completion.choices[0].text.strip() and completion.usage.completion_tokens == 8
     assert completion.choices[0].finish_reason == "length"
 
 
 def test_streamed_equals_non_streamed(client: OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
     chunks = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL, messages=QUESTION, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
     )
     pieces, usage = [], None
     for chunk in chunks:
@@ -77,20 +78,24 @@ def test_streamed_equals_non_streamed(client: OpenAI) -> None:
     assert "".join(pieces) == chat.choices[0].message.content
     assert usage.completion_tokens == chat.usage.completion_tokens
 
-    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == completion.choices[0].text
 
 
 def test_greedy_output_equals_the_offline_llm(client: OpenAI) -> None:
     """The same prompt token ids, greedy, in the offline API with its defaults: the same tokens (the
     server's per-token texts and logprobs), the same text."""
-    llm = LLM()
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = tokenizer.encode(PROMPT)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
-    offline = llm.generate([prompt_ids], params)[0].outputs[0]
-    del llm
+    test_threads = torch.get_num_threads()  # the engine sets its own (all cores by default)
+    try:
+        llm = LLM()
+        tokenizer = llm.get_tokenizer()
+        prompt_ids = tokenizer.encode(PROMPT)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+        offline = llm.generate([prompt_ids], params)[0].outputs[0]
+        del llm
+    finally:
+        torch.set_num_threads(test_threads)
 
     served = client.completions.create(
         model=MODEL, prompt=prompt_ids, max_tokens=16, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
