@@ -115,7 +115,8 @@ def test_scale_to_zero_after_idle_and_any_request_restarts_the_idle_clock():
 
 
 def test_max_replicas_caps_every_rule():
-    assert policy(max_replicas=3).decide(observe(0, 2, panic=5.0)) == Decision(3, "max_replicas", "panic wanted 10")
+    decision = policy(max_replicas=3).decide(observe(0, 2, panic=5.0))
+    assert decision == Decision(3, "panic", "ttft at 5.00x on 2 ready; wanted 10, capped at max_replicas")
 
 
 def run_plant(scaler: AutoscalingPolicy, demand, seconds: int, load_time_s: int = 5) -> list[tuple[int, int, int]]:

@@ -71,7 +71,7 @@ class Observation:
 class Decision:
     desired: int
     reason: str  # min_replicas | activate | panic | slo_ttft | slo_itl | slo_queue_wait | queue |
-    #              scale_down | scale_to_zero | hold | max_replicas
+    #              scale_down | scale_to_zero | hold
     detail: str = ""  # the numbers behind it, for the decision log
 
 
@@ -90,7 +90,8 @@ class AutoscalingPolicy:
         decision = self._decide(obs)
         config = self.config
         if decision.desired > config.max_replicas:
-            return Decision(config.max_replicas, "max_replicas", f"{decision.reason} wanted {decision.desired}")
+            detail = f"{decision.detail}; wanted {decision.desired}, capped at max_replicas"
+            return Decision(config.max_replicas, decision.reason, detail)
         return decision
 
     def _decide(self, obs: Observation) -> Decision:
