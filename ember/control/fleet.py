@@ -122,7 +122,7 @@ class Fleet:
     gateway: GatewayConfig
     launch: LaunchConfig
     children: list[ChildSpec]  # the gateway first: it is stopped first on shutdown
-    autoscaled: dict[str, AutoscaledModel]
+    autoscaled: dict[str, AutoscaledModel] = field(default_factory=dict)  # by the model name clients use
 
     @property
     def gateway_url(self) -> str:
