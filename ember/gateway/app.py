@@ -10,7 +10,7 @@ Errors use OpenAI's shape everywhere.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -23,6 +23,7 @@ from ember.gateway.admin import build_admin_router
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
+from ember.gateway.proxy import UpstreamResult
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
 SSE_HEADERS = [
@@ -31,6 +32,8 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 DONE_FRAME = b"data: [DONE]\n\n"
+KEEPALIVE_FRAME = b": waiting for a replica to start\n\n"
+HELD_KEEPALIVE_S = 5.0
 WATCH_AFTER_S = 0.02
 
 
@@ -119,6 +122,7 @@ class GatewayApp:
                 elif name == b"x-ember-session-id":
                     session = value.decode("latin-1")
         watcher: DisconnectWatcher | None = None
+        held_stream = HeldStream(send)
         try:
             principal = self.dispatcher.authenticate(authorization)
             raw_body = await self._read_body(receive)
@@ -126,7 +130,7 @@ class GatewayApp:
             watcher = DisconnectWatcher(receive, asyncio.current_task())
             if body.get("stream") is True:
                 watcher.start()
-            result = await self.dispatcher.dispatch(
+            dispatching = self.dispatcher.dispatch(
                 principal,
                 endpoint,
                 body,
@@ -136,10 +140,17 @@ class GatewayApp:
                 session_id=session,
                 raw_body=raw_body,
             )
+            if body.get("stream") is True and self.dispatcher.holds_for_a_replica(body.get("model")):
+                result = await held_stream.dispatch(dispatching)
+            else:
+                result = await dispatching
         except GatewayError as exc:
             if watcher is not None:
                 watcher.stop()
-            await send_error(send, exc)
+            if held_stream.opened:  # the status line is gone: the error goes as the stream's last event
+                await send({"type": "http.response.body", "body": b"data: " + exc.to_json() + b"\n\n"})
+            else:
+                await send_error(send, exc)
             return
         except ClientDisconnected:
             return
@@ -151,6 +162,10 @@ class GatewayApp:
         headers = [(name.encode(), value.encode()) for name, value in result.headers.items()]
         headers.append((b"x-ember-replica", result.replica.id.encode()))
         try:
+            if held_stream.opened and not result.stream:  # the replica answered an error, not a stream
+                watcher.stop()
+                await send({"type": "http.response.body", "body": b"data: " + result.body.strip() + b"\n\n"})
+                return
             if not result.stream:
                 watcher.stop()
                 headers.append((b"content-length", str(len(result.body)).encode()))
@@ -158,8 +173,9 @@ class GatewayApp:
                 await send({"type": "http.response.body", "body": result.body})
                 return
             watcher.start()
-            headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if not held_stream.opened:
+                headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
                 await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
             watcher.stop()
@@ -191,6 +207,33 @@ class GatewayApp:
                     413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
                 )
         return b"".join(chunks)
+
+
+class HeldStream:
+    """A stream held while its model scales from zero: if no replica has taken it after
+    HELD_KEEPALIVE_S, the SSE response opens (200, without the replica and rate-limit headers, which
+    are not known yet) and a comment is sent every HELD_KEEPALIVE_S so that the client and any proxy
+    in between keep the connection open; SSE clients ignore comments."""
+
+    __slots__ = ("send", "opened")
+
+    def __init__(self, send: Callable):
+        self.send = send
+        self.opened = False
+
+    async def dispatch(self, dispatching: Awaitable[UpstreamResult]) -> UpstreamResult:
+        task = asyncio.ensure_future(dispatching)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HELD_KEEPALIVE_S)
+                if done:
+                    return task.result()
+                if not self.opened:
+                    self.opened = True
+                    await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                await self.send({"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True})
+        finally:
+            task.cancel()  # a no-op once it is done; else the client left or the server stops
 
 
 class DisconnectWatcher:
