@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "gateway",
     "up",
     "fleet",
+    "simulate",
     "keys",
     "bench",
 ]

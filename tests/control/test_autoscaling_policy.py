@@ -161,3 +161,14 @@ def test_a_square_wave_load_scales_with_each_burst_and_back_the_same_decisions_e
     assert all(to == 3 for _, _, to in ups)
     # Between bursts it steps 3 -> 2 -> 1, each step a scale_down_delay_s apart, never below min.
     assert [(frm, to) for _, frm, to in downs] == [(3, 2), (2, 1)] * 2
+
+
+def test_latencies_of_requests_held_through_a_cold_start_do_not_scale_up():
+    scaler = policy(min_replicas=0)
+    assert scaler.decide(observe(0, 0, queued=3)).reason == "activate"
+    assert scaler.decide(observe(5, 0, loading=1, queued=3)).desired == 1
+    # Ready at 8 s; the held requests report their 8 s wait as TTFT (8x the objective).
+    for now in range(8, 20):
+        assert scaler.decide(observe(now, 1, in_flight=3, requests_total=now, stable=8.0, panic=8.0)).desired == 1
+    # Two panic windows after the change the panic window speaks for the current capacity again.
+    assert scaler.decide(observe(20, 1, in_flight=3, requests_total=20, stable=8.0, panic=8.0)).reason == "panic"

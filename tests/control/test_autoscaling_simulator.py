@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from ember.control.autoscaling.simulator import FleetSimulator, ReplicaProfile, bursty
+import json
+
+import yaml
+
+from ember.control.autoscaling.simulator import FleetSimulator, ReplicaProfile, bursty, diurnal, steady
 from ember.gateway.config import AutoscalingConfig
 
 # One replica: 256-token prompts prefill in 0.128 s, 64 tokens decode in ~1.3-2.2 s: about 5 requests/s.
@@ -56,3 +60,35 @@ def test_scale_to_zero_and_back_serves_every_request():
     reasons = [reason for _, _, _, reason in report.decisions]
     assert "scale_to_zero" in reasons and "activate" in reasons
     assert report.served == len(arrivals)
+
+
+def test_ember_simulate_replays_a_jsonl_trace_and_reports(tmp_path, capsys):
+    from ember.cli import main
+
+    fleet = {"models": {"tiny": {"deployments": [{"replicas": []}], "autoscaling": {**CONFIG, "min_replicas": 0}}},
+             "keys": {"inline": [{"name": "t", "sha256": "0" * 64}]}}  # fmt: skip
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
+    (tmp_path / "profile.json").write_text(PROFILE.model_dump_json())
+    # Three requests at t=10 s: the model starts from zero, so they wait out the 5 s cold start.
+    (tmp_path / "trace.jsonl").write_text(
+        "".join(json.dumps({"time_s": 10.0, "prompt_tokens": 200, "output_tokens": 20}) + "\n" for _ in range(3))
+    )
+    args = ["simulate", str(tmp_path / "fleet.yaml"), "--model", "tiny", "--profile", str(tmp_path / "profile.json"),
+            "--trace", str(tmp_path / "trace.jsonl"), "--duration-s", "100", "--interval-s", "1"]  # fmt: skip
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "requests 3, served 3, SLO attainment 0.0%"  # 5 s cold start > the 1 s TTFT objective
+    assert lines[2] == "cold starts 1, scale events 2, flaps 0"
+    assert lines[3].split() == ["t=", "10.0s", "0", "->", "1", "activate"]
+    assert lines[4].split() == ["t=", "76.0s", "1", "->", "0", "scale_to_zero"]  # 60 s after the last finished
+    (tmp_path / "profile.json").write_text('{"prefill_tokens_per_s": 0}')
+    assert main(args) == 2
+    assert "prefill_tokens_per_s: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_generated_traces_are_reproducible_and_follow_their_rate():
+    assert steady(2.0, 1000, seed=1) == steady(2.0, 1000, seed=1)
+    assert 1900 < len(steady(2.0, 1000, seed=1)) < 2100
+    day = diurnal(0.2, 2.0, period_s=1000, duration_s=1000, seed=1)
+    night, noon = [a for a in day if a.time_s < 100], [a for a in day if 450 <= a.time_s < 550]
+    assert len(noon) > 5 * len(night)

@@ -10,22 +10,30 @@ start, removed ones take no new request and stop once empty. Deterministic for a
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from ember.control.autoscaling.policy import AutoscalingPolicy, Decision, Observation, WindowLatency
+from ember.errors import EmberError
 from ember.gateway.config import AutoscalingConfig
 
 
-@dataclass(frozen=True)
-class ReplicaProfile:
-    prefill_tokens_per_s: float  # prompt tokens one replica prefills per second (one prompt at a time)
-    decode_step_s: float  # one decode step with one sequence
-    decode_step_per_seq_s: float  # added to a step per further sequence in the batch
-    max_batch: int  # concurrent requests per replica (the gateway's capacity)
-    cold_start_s: float  # process start to serving
+class ReplicaProfile(BaseModel):
+    """How fast one replica is (a JSON file for `ember simulate --profile`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens prefilled per second, one prompt at a time")
+    decode_step_s: float = Field(gt=0, description="One decode step with one sequence")
+    decode_step_per_seq_s: float = Field(ge=0, description="Added to a step per further sequence in the batch")
+    max_batch: int = Field(gt=0, description="Concurrent requests per replica (the gateway's capacity)")
+    cold_start_s: float = Field(ge=0, description="Process start to serving")
 
     def step_s(self, batch: int) -> float:
         return self.decode_step_s + self.decode_step_per_seq_s * max(batch - 1, 0)
@@ -63,6 +71,24 @@ def diurnal(trough_rate: float, peak_rate: float, period_s: float, duration_s: f
     return poisson_arrivals(
         lambda t: trough_rate + swing * (1 - math.cos(2 * math.pi * t / period_s)), duration_s, seed
     )
+
+
+def steady(rate: float, duration_s: float, seed: int) -> list[Arrival]:
+    return poisson_arrivals(lambda t: rate, duration_s, seed)
+
+
+def load_trace(path: str | Path) -> list[Arrival]:
+    """A JSONL trace: one `{"time_s": 0.4, "prompt_tokens": 512, "output_tokens": 128}` per line."""
+    arrivals = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            arrivals.append(Arrival(float(item["time_s"]), int(item["prompt_tokens"]), int(item["output_tokens"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EmberError(f"{path}:{number}: not a trace line ({type(exc).__name__}: {exc})") from None
+    return arrivals
 
 
 @dataclass
