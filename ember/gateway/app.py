@@ -122,7 +122,7 @@ class GatewayApp:
                 elif name == b"x-ember-session-id":
                     session = value.decode("latin-1")
         watcher: DisconnectWatcher | None = None
-        held_stream = HeldStream(send)
+        held_stream: HeldStream | None = None  # only for a stream that may wait for a cold start
         try:
             principal = self.dispatcher.authenticate(authorization)
             raw_body = await self._read_body(receive)
@@ -141,13 +141,14 @@ class GatewayApp:
                 raw_body=raw_body,
             )
             if body.get("stream") is True and self.dispatcher.holds_for_a_replica(body.get("model")):
+                held_stream = HeldStream(send)
                 result = await held_stream.dispatch(dispatching)
             else:
                 result = await dispatching
         except GatewayError as exc:
             if watcher is not None:
                 watcher.stop()
-            if held_stream.opened:  # the status line is gone: the error goes as the stream's last event
+            if held_stream is not None and held_stream.opened:  # no status line left: the error is the last event
                 await send({"type": "http.response.body", "body": b"data: " + exc.to_json() + b"\n\n"})
             else:
                 await send_error(send, exc)
@@ -162,7 +163,8 @@ class GatewayApp:
         headers = [(name.encode(), value.encode()) for name, value in result.headers.items()]
         headers.append((b"x-ember-replica", result.replica.id.encode()))
         try:
-            if held_stream.opened and not result.stream:  # the replica answered an error, not a stream
+            opened = held_stream is not None and held_stream.opened
+            if opened and not result.stream:  # the replica answered an error, not a stream
                 watcher.stop()
                 await send({"type": "http.response.body", "body": b"data: " + result.body.strip() + b"\n\n"})
                 return
@@ -173,7 +175,7 @@ class GatewayApp:
                 await send({"type": "http.response.body", "body": result.body})
                 return
             watcher.start()
-            if not held_stream.opened:
+            if not opened:
                 headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
