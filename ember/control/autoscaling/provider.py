@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -103,7 +104,13 @@ def free_port(host: str) -> int:
 class LocalProcessProvider:
     """`ember serve` processes on free local ports, supervised (restarted if they crash) by `ember up`."""
 
-    def __init__(self, supervisor: Supervisor, models: dict[str, AutoscaledModel], gateway: GatewayAdmin, log=print):
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        models: dict[str, AutoscaledModel],
+        gateway: GatewayAdmin,
+        log: Callable[[str], None] = print,
+    ):
         self.supervisor = supervisor
         self.models = models
         self.gateway = gateway
