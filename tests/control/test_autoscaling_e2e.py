@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,9 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from ember.control.autoscaling.policy import AutoscalingPolicy, observation_from_dict
+from ember.gateway.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +191,14 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     assert "scale_down" in reasons and "scale_to_zero" in reasons
     assert metric(fleet.control + "/metrics", "ember_autoscaler_scale_events_total", model="tiny", direction="down") == 2
     assert httpx.get(fleet.gateway + "/admin/replicas", timeout=5).status_code in (401, 403)  # admin stays guarded
+
+    # The live run's rounds, replayed through a fresh policy object, give the same decisions: the
+    # policy is a pure function of what it observed (what the simulator relies on).
+    recorded = httpx.get(fleet.control + "/rounds", timeout=10).json()["tiny"]
+    assert recorded["complete"] and len(recorded["rounds"]) > 20
+    replay = AutoscalingPolicy(load_config(fleet.path).models["tiny"].autoscaling)
+    for round_ in recorded["rounds"]:
+        assert asdict(replay.decide(observation_from_dict(round_["observation"]))) == round_["decision"]
 
     # `ember fleet status` shows the same decisions.
     shown = subprocess.run(

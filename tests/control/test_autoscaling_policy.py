@@ -172,3 +172,18 @@ def test_latencies_of_requests_held_through_a_cold_start_do_not_scale_up():
         assert scaler.decide(observe(now, 1, in_flight=3, requests_total=now, stable=8.0, panic=8.0)).desired == 1
     # Two panic windows after the change the panic window speaks for the current capacity again.
     assert scaler.decide(observe(20, 1, in_flight=3, requests_total=20, stable=8.0, panic=8.0)).reason == "panic"
+
+
+def test_a_recorded_run_replays_to_the_same_decisions():
+    import json
+    from dataclasses import asdict
+
+    from ember.control.autoscaling.policy import observation_from_dict
+
+    scaler = policy(min_replicas=0)
+    script = [observe(0, 0, queued=2), observe(3, 0, loading=1, queued=2), observe(9, 1, in_flight=2, stable=0.4),
+              observe(30, 1, requests_total=2), observe(200, 1, requests_total=2)]  # fmt: skip
+    recorded = json.loads(json.dumps([(asdict(obs), asdict(scaler.decide(obs))) for obs in script]))
+    replay = policy(min_replicas=0)
+    assert [asdict(replay.decide(observation_from_dict(obs))) for obs, _ in recorded] == [d for _, d in recorded]
+    assert [d["reason"] for _, d in recorded] == ["activate", "activate", "hold", "hold", "scale_to_zero"]

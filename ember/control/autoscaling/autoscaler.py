@@ -44,6 +44,7 @@ from ember.control.fleet import AutoscaledModel, Fleet
 from ember.gateway.periodic import PeriodicTask
 
 DECISION_LOG_SIZE = 200
+ROUND_LOG_SIZE = 3600  # an hour of rounds at the default 1 s ... 2 s interval
 COLD_START_BUCKETS = (1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
 ITL_HISTOGRAM = "ember:inter_token_latency_seconds"
 
@@ -129,6 +130,10 @@ class Autoscaler:
         self.signals = {name: _ModelSignals(model.autoscaling.stable_window_s) for name, model in self.models.items()}
         self.metrics = AutoscalerMetrics()
         self.decision_log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG_SIZE)
+        # Every round's inputs and output, so that a run can be replayed through a fresh policy.
+        self.rounds: dict[str, deque[tuple[Observation, Decision]]] = {
+            name: deque(maxlen=ROUND_LOG_SIZE) for name in self.models
+        }
         self._last_reason: dict[str, str] = {}
         self._desired: dict[str, int] = {}
         self._last_step: float | None = None
@@ -145,6 +150,7 @@ class Autoscaler:
             app = web.Application()
             app.router.add_get("/metrics", self._serve_metrics)
             app.router.add_get("/status", self._serve_status)
+            app.router.add_get("/rounds", self._serve_rounds)
             self._site = web.AppRunner(app, access_log=None)
             await self._site.setup()
             await web.TCPSite(self._site, self.settings.host, self.settings.port).start()
@@ -199,6 +205,7 @@ class Autoscaler:
         )
         self.metrics.tokens_per_s.labels(name).set(sum(load.tokens_per_s for load in loads))
         decision = self.policies[name].decide(observation)
+        self.rounds[name].append((observation, decision))
         self._record(name, observation, decision)
         outstanding = {r.id: total(gateway, "ember_gateway_replica_outstanding", replica=r.id) for r in ready}
         await self._apply(name, decision, loading, sorted(ready, key=lambda r: outstanding[r.id]))
@@ -304,4 +311,14 @@ class Autoscaler:
 
     async def _serve_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
+
+    async def _serve_rounds(self, request: web.Request) -> web.Response:
+        """Each model's recorded rounds, `complete` while none has been dropped from the log."""
+        return web.json_response({
+            name: {
+                "complete": len(rounds) < ROUND_LOG_SIZE,
+                "rounds": [{"observation": asdict(obs), "decision": asdict(decision)} for obs, decision in rounds],
+            }
+            for name, rounds in self.rounds.items()
+        })  # fmt: skip
 

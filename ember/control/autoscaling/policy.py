@@ -71,6 +71,18 @@ class Observation:
     replicas: tuple[ReplicaLoad, ...] = ()
 
 
+def observation_from_dict(data: dict) -> Observation:
+    """The inverse of dataclasses.asdict(observation), for replaying a recorded run (JSON)."""
+    return Observation(
+        **{
+            **data,
+            "stable": WindowLatency(**data["stable"]),
+            "panic": WindowLatency(**data["panic"]),
+            "replicas": tuple(ReplicaLoad(**replica) for replica in data["replicas"]),
+        }
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     desired: int
