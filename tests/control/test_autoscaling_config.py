@@ -62,9 +62,9 @@ def test_an_autoscaled_model_loads_with_every_field_and_its_replica_command(tmp_
     fleet = load_fleet(path)
     tiny = fleet.autoscaled["tiny"]
     assert list(fleet.autoscaled) == ["tiny"] and tiny.capacity == 4 and tiny.host == "127.0.0.1"
-    assert tiny.argv[3:9] == ["serve", "--model", str(tmp_path / "tiny-model"), "--served-model-name", "tiny-v1",
-                              "--num-threads"]  # fmt: skip
-    assert tiny.argv[-2:] == ["--dtype", "float32"]
+    assert tiny.serve_args[:6] == ["serve", "--model", str(tmp_path / "tiny-model"), "--served-model-name", "tiny-v1",
+                                   "--num-threads"]  # fmt: skip
+    assert tiny.serve_args[-2:] == ["--dtype", "float32"]
     assert fleet.launch.autoscaler.interval_s == 0.5 and fleet.launch.autoscaler.port == 18690
     # Only the gateway and the static replica start with the fleet; autoscaled ones start on demand.
     assert [child.name for child in fleet.children] == ["gateway", "replica-18601"]

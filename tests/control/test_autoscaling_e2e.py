@@ -6,6 +6,7 @@ scale from zero, a burst that scales up, idle that scales back down to zero, the
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import signal
 import socket
 import subprocess
@@ -212,3 +213,6 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     assert fleet.stop() == 0
     output = "".join(fleet.lines)
     assert output.count("drained and stopped") == 2
+    # The first replica's process was a standby, started with the fleet and waiting before any request.
+    first = re.search(r"autoscaler: tiny: started tiny-(\d+) \(activate\)", output)
+    assert output.index(f"replica-{first.group(1)} started (pid") < first.start()

@@ -154,6 +154,7 @@ class Autoscaler:
             self._site = web.AppRunner(app, access_log=None)
             await self._site.setup()
             await web.TCPSite(self._site, self.settings.host, self.settings.port).start()
+        await self.provider.start()
         await self._task.start()
 
     async def stop(self) -> None:
