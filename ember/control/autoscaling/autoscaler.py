@@ -175,6 +175,10 @@ class Autoscaler:
             return  # the gateway is starting or restarting: decide (and account) on the next round
         elapsed = 0.0 if self._last_step is None else now - self._last_step
         self._last_step = now
+        try:
+            await self.provider.resync()
+        except httpx.HTTPError:
+            return  # the gateway stopped answering between two calls: the next round retries
         for name in self.models:
             await self._step_model(name, now, elapsed, gateway)
 

@@ -61,6 +61,8 @@ class ManagedReplica:
 class ReplicaProvider(Protocol):
     async def start(self) -> None: ...
 
+    async def resync(self) -> None: ...  # each round, before the replicas are counted
+
     async def start_replica(self, model: str) -> ManagedReplica: ...
 
     async def stop_replica(self, replica_id: str) -> None: ...
@@ -86,10 +88,14 @@ class GatewayAdmin:
         response.raise_for_status()
         return response.json()["state"] == "ready"
 
-    async def is_admitted(self, replica_id: str) -> bool:
+    async def states(self) -> dict[str, str]:
+        """Replica id -> its state in the gateway (ready, ejected, draining)."""
         response = await self._client.get("/admin/replicas")
         response.raise_for_status()
-        return any(item["id"] == replica_id and item["state"] == "ready" for item in response.json()["data"])
+        return {item["id"]: item["state"] for item in response.json()["data"]}
+
+    async def is_admitted(self, replica_id: str) -> bool:
+        return (await self.states()).get(replica_id) == "ready"
 
     async def deregister(self, replica_id: str) -> None:
         """Out of routing at once; returns when its requests have finished (or the drain timed out)."""
@@ -184,8 +190,11 @@ class LocalProcessProvider:
                 admitted = await self.gateway.is_admitted(replica.id)
         del self._admissions[replica.id]
         replica.state = ReplicaState.READY
-        replica.ready_at = time.monotonic()
-        self.log(f"{replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        if replica.ready_at is None:
+            replica.ready_at = time.monotonic()
+            self.log(f"{replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        else:
+            self.log(f"{replica.id} admitted by the gateway again")
 
     async def _healthy(self, url: str) -> bool:
         with contextlib.suppress(httpx.HTTPError):
@@ -210,6 +219,17 @@ class LocalProcessProvider:
 
     def list_replicas(self, model: str | None = None) -> list[ManagedReplica]:
         return [replica for replica in self._replicas.values() if model is None or replica.model == model]
+
+    async def resync(self) -> None:
+        """Registers again the ready replicas the gateway does not know (a gateway restarted by the
+        supervisor knows only its config); they count as loading until it admits them again."""
+        known = await self.gateway.states()
+        for replica in self.list_replicas():
+            if replica.state == ReplicaState.READY and replica.id not in known:
+                self.log(f"{replica.id} is unknown to the gateway (restarted?): registering it again")
+                replica.state = ReplicaState.LOADING
+                how = self.models[replica.model]
+                self._admissions[replica.id] = asyncio.create_task(self._admit(replica, how), name=f"admit-{replica.id}")
 
     async def close(self) -> None:
         """Stops admitting; the supervisor stops the processes themselves with the rest of the fleet."""
