@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import shlex
+    import sys
 
     from ember.control.fleet import load_fleet
 
@@ -43,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{child.name}: {shlex.join(child.argv)}")
         for name, model in fleet.autoscaled.items():
             scaling = model.autoscaling
+            command = shlex.join([sys.executable, "-m", "ember.cli", *model.serve_args])
             print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): "
-                  f"{shlex.join(model.argv)} --host {model.host} --port <a free port>")  # fmt: skip
+                  f"{command} --host {model.host} --port <a free port>")  # fmt: skip
         return 0
     return asyncio.run(run_fleet(fleet))
 
