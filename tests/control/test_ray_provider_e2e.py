@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,3 +187,39 @@ async def _ready(provider: RayProvider, count: int) -> bool:
 async def _replaced(provider: RayProvider, dead_id: str) -> bool:
     replicas = provider.list_replicas("tiny")
     return dead_id not in {r.id for r in replicas} and await _ready(provider, 2)
+
+
+def test_ember_up_with_a_ray_section_runs_the_autoscaled_replica_as_a_ray_actor(fleet_file: Path):
+    """`launch.ray` selects the provider for `ember up`: the autoscaler's min_replicas=1 becomes one
+    Ray actor, requests are served through the gateway, SIGTERM drains and stops it all."""
+    fleet = load_fleet(fleet_file)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "up", str(fleet_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        client = openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        deadline = time.monotonic() + 120
+        while not any("admitted by the gateway" in line for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello?"}], max_tokens=3
+        )
+        assert raw.parse().usage.completion_tokens == 3
+        assert raw.headers["x-ember-replica"].startswith("tiny-ray-")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        reader.join(timeout=10)
+    output = "".join(lines)
+    url = next(line.split(" at ")[-1].strip() for line in lines if "runs ember serve at" in line)
+    assert "[ember up] ray: connected to local (2 CPUs, 0 GPUs)" in output
+    assert output.count("runs ember serve at") == 1  # min_replicas 1, no load: exactly one actor
+    assert "SIGTERM received: draining" in output  # the replica was stopped, not killed
+    assert output.rstrip().endswith("[ember up] all processes stopped")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=5)
