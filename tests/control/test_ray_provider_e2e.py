@@ -57,16 +57,24 @@ async def wait_for(condition, what: str, limit_s: float = 120.0):
 @pytest.fixture
 def fleet_file(tmp_path: Path, tiny_model_dir: Path) -> Path:
     config = {
-        "models": {"tiny": {
-            "deployments": [{"model": "tiny", "replicas": []}],
-            "autoscaling": {"min_replicas": 1, "max_replicas": 2, "ttft_p90_ms": 5000, "itl_p90_ms": 1000},
-        }},
+        "models": {
+            "tiny": {
+                "deployments": [{"model": "tiny", "replicas": []}],
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2, "ttft_p90_ms": 5000, "itl_p90_ms": 1000},
+            },
+            # Its `ember serve` exits at once (no such model): replaced after a growing backoff.
+            "broken": {
+                "deployments": [{"model": "broken", "replicas": []}],
+                "autoscaling": {"min_replicas": 0, "max_replicas": 1, "ttft_p90_ms": 5000, "itl_p90_ms": 1000},
+            },
+        },
         "keys": {"inline": [{"name": "test", "sha256": KEY_SHA256}]},
         "health": {"interval_s": 0.3, "timeout_s": 2.0, "unhealthy_threshold": 2},
         "launch": {
             "gateway": {"port": free_port()},
             "autoscaled": {"tiny": {"model": str(tiny_model_dir), "capacity": 4, "args": [
                 "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512"]}},
+            "restart": {"initial_backoff_s": 0.5, "max_backoff_s": 4},
             "shutdown_timeout_s": 30,
             "ray": {"address": "local", "namespace": NAMESPACE, "head": {"num_cpus": 2, "object_store_memory_mb": 100},
                     "replica": {"num_cpus": 0.5}, "health_interval_s": 0.3},
@@ -116,7 +124,8 @@ async def test_replicas_as_ray_actors_serve_survive_a_killed_process_and_scale_1
     client = openai.AsyncOpenAI(base_url=fleet.gateway_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     admin = GatewayAdmin(fleet.gateway_url, TOKEN, drain_timeout_s=30)
     await wait_for(lambda: _answers(fleet.gateway_url + "/health"), "the gateway")
-    provider = await RayProvider.connect(fleet, admin, log=print)
+    log: list[str] = []
+    provider = await RayProvider.connect(fleet, admin, log=log.append)
     closed = False
     try:
         assert ray.cluster_resources()["CPU"] == 2.0
@@ -144,9 +153,10 @@ async def test_replicas_as_ray_actors_serve_survive_a_killed_process_and_scale_1
         os.kill(pid, signal.SIGKILL)
         answered = await asyncio.gather(*(chat(client, f"after the kill {n}") for n in range(6)))
         assert answered == [first.id] * 6  # the replacement is still loading its model
-        # The provider notices, takes it out of the gateway and starts a replacement actor.
+        # The provider notices, takes it out of the gateway and starts a replacement actor at once.
         await wait_for(lambda: _replaced(provider, second.id), "a replacement replica")
         replacement = next(r for r in provider.list_replicas() if r.id not in (first.id, second.id))
+        assert f"ray: {second.id} ember serve exited (signal SIGKILL); replaced by {replacement.id}" in log
         assert await gateway_replicas(fleet) == {first.id: "ready", replacement.id: "ready"}
         assert set(await asyncio.gather(*(chat(client, f"again {n}") for n in range(8)))) == {first.id, replacement.id}
 
@@ -160,11 +170,20 @@ async def test_replicas_as_ray_actors_serve_survive_a_killed_process_and_scale_1
             ray.get_actor(f"ember-{replacement.id}", namespace=NAMESPACE)
         assert await chat(client, "one left?") == first.id
 
+        # A replica that dies before its admission is replaced after the restart backoff, doubling.
+        broken = await provider.start_replica("broken")
+        await wait_for(lambda: _logged(log, "replaced by broken-", 3), "three replacements of the broken replica")
+        replacements = [line for line in log if "replaced by broken-" in line]
+        assert replacements[0].startswith(f"ray: {broken.id} ember serve exited (code 2); replaced by ")
+        assert [line.rsplit(" in ", 1)[-1] for line in replacements[:3]] == ["0.5s", "1s", "2s"]
+        assert len(provider.list_replicas("broken")) == 1  # one at a time, listed as loading meanwhile
+
         first_pid = await ray.get_actor(f"ember-{first.id}", namespace=NAMESPACE).pid.remote()
         await provider.close()
         closed = True
         assert not Path(f"/proc/{first_pid}").exists()
         assert await gateway_replicas(fleet) == {}
+        assert provider.list_replicas() == []
         assert not ray.is_initialized()
     finally:
         if not closed:
@@ -177,6 +196,10 @@ async def _answers(url: str) -> bool:
             return (await client.get(url)).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+async def _logged(log: list[str], text: str, count: int) -> bool:
+    return sum(text in line for line in log) >= count
 
 
 async def _ready(provider: RayProvider, count: int) -> bool:

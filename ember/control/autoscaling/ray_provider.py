@@ -108,6 +108,8 @@ class RayProvider:
         self.gateway = gateway
         self.log = log
         self._stop_timeout_s = fleet.launch.shutdown_timeout_s
+        self._restart = fleet.launch.restart
+        self._failed_starts: dict[str, int] = {}  # model -> replicas in a row that died before admission
         self._fleet_tag = secrets.token_hex(3)  # two fleets on one cluster never share an actor name
         self._started = 0
         self._replicas: dict[str, ManagedReplica] = {}
@@ -131,21 +133,7 @@ class RayProvider:
 
     async def start_replica(self, model: str) -> ManagedReplica:
         """Asks Ray for the actor and returns at once: `url` stays empty until Ray has placed it."""
-        how = self.models[model]
-        self._started += 1
-        replica = ManagedReplica(
-            id=f"{model}-ray-{self._fleet_tag}-{self._started}", model=model, url="", state=ReplicaState.LOADING,
-            started_at=time.monotonic(),
-        )  # fmt: skip
-        request = self.settings.replica
-        options = {"num_cpus": request.num_cpus, "num_gpus": request.num_gpus}
-        if request.memory_mb is not None:
-            options["memory"] = request.memory_mb * MB
-        actor = ServeActor.options(name=f"ember-{replica.id}", namespace=self.settings.namespace, **options)
-        self._actors[replica.id] = actor.remote(how.argv, {API_KEY_ENV: self.credential})
-        self._replicas[replica.id] = replica
-        self._admissions[replica.id] = asyncio.create_task(self._admit(replica, how), name=f"admit-{replica.id}")
-        return replica
+        return self._start(model, delay_s=0.0)
 
     async def stop_replica(self, replica_id: str) -> None:
         """Out of the gateway first (its requests finish there), then the process and the actor."""
@@ -166,11 +154,33 @@ class RayProvider:
 
     # --- one replica's life -----------------------------------------------------------------------
 
-    async def _admit(self, replica: ManagedReplica, how: AutoscaledModel) -> None:
+    def _start(self, model: str, delay_s: float) -> ManagedReplica:
+        """A new replica, listed as loading at once (so that nobody starts another in its place); its
+        actor is asked for after `delay_s`."""
+        self._started += 1
+        replica = ManagedReplica(
+            id=f"{model}-ray-{self._fleet_tag}-{self._started}", model=model, url="", state=ReplicaState.LOADING,
+            started_at=time.monotonic(),
+        )  # fmt: skip
+        self._replicas[replica.id] = replica
+        self._admissions[replica.id] = asyncio.create_task(self._admit(replica, delay_s), name=f"admit-{replica.id}")
+        return replica
+
+    async def _admit(self, replica: ManagedReplica, delay_s: float) -> None:
+        """Creates the actor, starts `ember serve` in it, registers it: done once the gateway admits it."""
+        await asyncio.sleep(delay_s)
+        how = self.models[replica.model]
+        request = self.settings.replica
+        options = {"num_cpus": request.num_cpus, "num_gpus": request.num_gpus}
+        if request.memory_mb is not None:
+            options["memory"] = request.memory_mb * MB
+        actor = ServeActor.options(name=f"ember-{replica.id}", namespace=self.settings.namespace, **options)
+        self._actors[replica.id] = actor.remote(how.argv, {API_KEY_ENV: self.credential})
         replica.url = await self._actors[replica.id].start.remote()  # once Ray has placed the actor
         self.log(f"ray: {replica.id} runs ember serve at {replica.url}")
         await self.gateway.admit(replica, how.capacity, how.region, api_key=self.credential)
         del self._admissions[replica.id]
+        self._failed_starts.pop(replica.model, None)
         replica.state = ReplicaState.READY
         replica.ready_at = time.monotonic()
         self.log(f"ray: {replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
@@ -183,7 +193,7 @@ class RayProvider:
             admission.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, RayActorError):
                 await admission
-        actor = self._actors.pop(replica_id)
+        actor = self._actors.pop(replica_id, None)  # None: its start was still waiting out a backoff
         try:
             if drain:
                 await self.gateway.deregister(replica_id)
@@ -191,11 +201,12 @@ class RayProvider:
                 with contextlib.suppress(httpx.HTTPError):
                     await self.gateway.deregister(replica_id, timeout_s=0)
         finally:
-            if replica.url:  # an actor Ray has not placed yet has no process to stop (and would not answer)
-                with contextlib.suppress(RayActorError):
-                    await actor.stop.remote(self._stop_timeout_s)
-            ray.kill(actor)
             del self._replicas[replica_id]
+            if actor is not None:
+                if replica.url:  # an actor Ray has not placed yet has no process to stop (and would not answer)
+                    with contextlib.suppress(RayActorError):
+                        await actor.stop.remote(self._stop_timeout_s)
+                ray.kill(actor)
 
     async def _watch(self) -> None:
         while True:
@@ -204,11 +215,21 @@ class RayProvider:
                 try:
                     why = await self._death(replica)
                     if why is not None and replica.id in self._replicas:
-                        self.log(f"ray: {replica.id} {why}; replacing it")
                         await self._retire(replica.id, drain=False)
-                        await self.start_replica(replica.model)
+                        self._replace(replica, why)
                 except Exception as exc:  # noqa: BLE001 - one bad round must not end the watching
                     self.log(f"ray: checking {replica.id} failed: {exc!r}")
+
+    def _replace(self, dead: ManagedReplica, why: str) -> None:
+        """A new replica in place of the dead one: at once if the dead one had served, else after the
+        fleet's restart backoff (doubling for each replica in a row that died before admission), so a
+        model that cannot load does not have Ray start actors in a tight loop."""
+        delay_s = 0.0
+        if dead.ready_at is None:
+            failed = self._failed_starts[dead.model] = self._failed_starts.get(dead.model, 0) + 1
+            delay_s = min(self._restart.max_backoff_s, self._restart.initial_backoff_s * 2 ** (failed - 1))
+        replacement = self._start(dead.model, delay_s)
+        self.log(f"ray: {dead.id} {why}; replaced by {replacement.id}" + (f" in {delay_s:g}s" if delay_s else ""))
 
     async def _death(self, replica: ManagedReplica) -> str | None:
         """Why the replica is dead, or None while it lives (or is still being placed or busy)."""
