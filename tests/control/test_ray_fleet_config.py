@@ -4,6 +4,7 @@ starts, named by its dotted path."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,20 @@ def test_print_commands_says_the_replicas_run_as_ray_actors(tmp_path):
     assert "--num-threads 2" in line
     assert line.endswith("--host <its node> --port <a free port>  (a Ray actor, address ray://head:10001, "
                          "num_cpus 2, num_gpus 1)")  # fmt: skip
+
+
+def test_ember_up_without_ray_installed_names_the_extra(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n\n\nclass NoRay:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'ray':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n\n\n"
+        "sys.meta_path.insert(0, NoRay())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parents[2])])}
+    path = write(tmp_path, fleet_data({"address": "local"}))
+    result = subprocess.run([sys.executable, "-m", "ember.cli", "up", str(path)], env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == "ember up: error: No module named 'ray'; install it with: pip install 'ember[ray]'"
