@@ -259,6 +259,8 @@ def _autoscaled_models(
         if model.autoscaling is None:
             continue
         how = launch.autoscaled.get(name) or LaunchAutoscaled()
+        if launch.ray is not None and "host" in how.model_fields_set:
+            raise FleetError(f"{path}: launch.autoscaled.{name}.host: replicas on Ray listen on their node's address")
         if how.region is not None and gateway.regions and how.region not in gateway.regions:
             raise FleetError(f"{path}: launch.autoscaled.{name}.region: {how.region!r} is not declared under regions")
         upstream = model.deployments[0].model or name

@@ -68,6 +68,13 @@ def test_a_bad_ray_field_is_named_by_its_dotted_path(tmp_path, ray, message):
         load_fleet(write(tmp_path, fleet_data(ray)))
 
 
+def test_a_host_for_ray_replicas_is_refused(tmp_path):
+    data = fleet_data({"address": "auto"})
+    data["launch"]["autoscaled"] = {"tiny": {"host": "0.0.0.0"}}
+    with pytest.raises(FleetError, match=r"launch\.autoscaled\.tiny\.host: replicas on Ray listen on their node's address"):
+        load_fleet(write(tmp_path, data))
+
+
 def test_ray_without_an_autoscaled_model_is_refused(tmp_path):
     (tmp_path / "tiny-model").mkdir()
     with pytest.raises(FleetError, match=r"launch\.ray: Ray runs the replicas of models with an autoscaling section"):

@@ -82,8 +82,9 @@ class ServeProcess:
 ServeActor = ray.remote(ServeProcess)
 
 
-def connect(settings: LaunchRay) -> None:
-    """Connects this process to the Ray cluster as its driver (blocking: run it in a thread)."""
+def connect_driver(settings: LaunchRay) -> None:
+    """Connects this process to the Ray cluster as its driver. Blocking, and run in a worker thread:
+    there Ray installs no SIGTERM handler of its own, and `ember up`'s supervisor keeps the signals."""
     if settings.address == "local":
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a head of our own: report nothing
         ray.init(
@@ -121,7 +122,7 @@ class RayProvider:
     async def connect(cls, fleet: Fleet, gateway: GatewayAdmin, log=print) -> RayProvider:
         """Connects to (or with `address: local` starts) the Ray cluster and starts watching replicas."""
         assert fleet.launch.ray is not None
-        await asyncio.to_thread(connect, fleet.launch.ray)
+        await asyncio.to_thread(connect_driver, fleet.launch.ray)
         provider = cls(fleet, gateway, log)
         resources = ray.cluster_resources()
         log(f"ray: connected to {fleet.launch.ray.address} ({resources.get('CPU', 0):g} CPUs, "
