@@ -77,7 +77,7 @@ def fleet_file(tmp_path: Path, tiny_model_dir: Path) -> Path:
             "restart": {"initial_backoff_s": 0.5, "max_backoff_s": 4},
             "shutdown_timeout_s": 30,
             "ray": {"address": "local", "namespace": NAMESPACE, "head": {"num_cpus": 2, "object_store_memory_mb": 100},
-                    "replica": {"num_cpus": 0.5}, "health_interval_s": 0.3},
+                    "replica": {"num_cpus": 0.5, "memory_mb": 256}, "health_interval_s": 0.3},
         },
     }  # fmt: skip
     path = tmp_path / "fleet.yaml"
@@ -144,6 +144,8 @@ async def test_replicas_as_ray_actors_serve_survive_a_killed_process_and_scale_1
         second = await provider.start_replica("tiny")
         await wait_for(lambda: _ready(provider, 2), "the second replica to be admitted")
         assert await gateway_replicas(fleet) == {first.id: "ready", second.id: "ready"}
+        # Each actor holds its request: half a CPU and 256 MB of the head's.
+        await wait_for(lambda: _reserved(cpus=1.0, memory=512 << 20), "Ray to account both actors' resources")
         served = set(await asyncio.gather(*(chat(client, f"question {n}") for n in range(8))))
         assert served == {first.id, second.id}
 
@@ -196,6 +198,11 @@ async def _answers(url: str) -> bool:
             return (await client.get(url)).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+async def _reserved(cpus: float, memory: int) -> bool:
+    total, available = ray.cluster_resources(), ray.available_resources()
+    return total["CPU"] - available.get("CPU", 0) == cpus and total["memory"] - available.get("memory", 0) == memory
 
 
 async def _logged(log: list[str], text: str, count: int) -> bool:
