@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "gateway",
     "up",
     "fleet",
+    "deploy",
     "keys",
     "bench",
 ]
@@ -23,6 +24,7 @@ COMMAND_EXTRAS = {
     "serve": "engine",
     "gateway": "gateway",
     "up": "gateway",
+    "deploy": "gateway",
     "keys": "gateway",
     "bench": "bench",
 }

@@ -25,6 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Also serve the ember.v1.Inference gRPC API on this port (default: async.grpc.port, else off)",
     )
     parser.add_argument(
+        "--config-overlay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="A YAML file merged over --config (repeatable; on Kubernetes: the keys Secret over the ConfigMap)",
+    )
+    parser.add_argument(
         "--fleet-replicas",
         nargs="+",
         default=[],
@@ -57,12 +64,15 @@ def run(args: argparse.Namespace) -> int:
     from ember.http_protocol import header_timeout_protocol
 
     http_protocol = header_timeout_protocol(args.header_timeout)
-    config = load_config(args.config)  # a bad file fails here, before anything listens
+    config = load_config(args.config, args.config_overlay)  # a bad file fails here, before anything listens
     if args.fleet_replicas:
         credential = os.environ.get(FLEET_CREDENTIAL_ENV)
         if not credential:
             raise EmberError(f"--fleet-replicas needs the fleet's credential in ${FLEET_CREDENTIAL_ENV}")
         config = with_replica_api_keys(config, dict.fromkeys(args.fleet_replicas, credential))
+    discovered = any(d.discovery is not None for model in config.models.values() for d in model.deployments)
+    if discovered and importlib.util.find_spec("kubernetes") is None:
+        raise EmberError("discovery.kubernetes needs the official client: pip install 'ember[kubernetes]'")
     app = create_app(config, protocol_extensions(config, args.grpc_port))
     uvicorn.run(
         app,

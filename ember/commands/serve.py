@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize: one shared key for "
+        "a single replica, with no scopes or quotas (per-key scopes and limits: ember gateway) "
         f"(default: ${API_KEY_ENV}, else no key)",
     )
     group.add_argument(

@@ -15,6 +15,7 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       ray:                                    # optional: the autoscaled replicas run as Ray actors (docs/ray.md)
         address: local                        # or auto, ray://head:10001, head:6379
         replica: {num_cpus: 1, num_gpus: 0}
+      kubernetes: {...}                       # `ember deploy k8s` only (ember.deploy.settings)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
@@ -38,6 +39,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
 
+from ember.deploy.settings import KubernetesLaunch
 from ember.errors import EmberError
 from ember.gateway.config import (
     FLEET_CREDENTIAL_ENV,
@@ -141,6 +143,7 @@ class LaunchConfig(StrictModel):
     autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
     autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
     ray: LaunchRay | None = Field(default=None, description="Run the autoscaled models' replicas as Ray actors")
+    kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` only
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,9 @@ class Fleet:
     gateway: GatewayConfig
     launch: LaunchConfig
     children: list[ChildSpec]  # the gateway first: it is stopped first on shutdown
-    autoscaled: dict[str, AutoscaledModel]
-    credential: str  # the service credential only the gateway holds; every replica the fleet starts requires it
+    autoscaled: dict[str, AutoscaledModel] = field(default_factory=dict)
+    # The service credential only the gateway holds; every replica the fleet starts requires it.
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def gateway_url(self) -> str:

@@ -1,7 +1,8 @@
-"""The admin API, guarded by the admin key (`admin_key_sha256` in the config):
+"""The admin API, guarded by the admin key (`admin_key_sha256` in the config) or an API key scoped to
+the `admin` endpoint:
 
     GET    /admin/keys[?include_revoked=true]   list keys (never the keys themselves)
-    POST   /admin/keys                          {name, models, priority, rpm, ...} -> 201 with the key, shown once
+    POST   /admin/keys                          {name, models, endpoints, priority, rpm, ...} -> 201 with the key, shown once
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
     GET    /admin/replicas                      health, load and ejection state of every replica
@@ -15,10 +16,8 @@ is accepted: it is how the autoscaler registers the replicas it starts.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -27,11 +26,11 @@ from fastapi.responses import JSONResponse
 from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
-from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer
+from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer, require_endpoint
+from ember.gateway.membership import join, leave, new_replica
 from ember.gateway.replicas import Replica
 
 CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
-DRAIN_POLL_S = 0.05
 
 
 class NewKey(KeyPolicy):
@@ -76,17 +75,22 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
 
 def require_admin(dispatcher: Dispatcher, authorization: str | None) -> None:
     """The admin API's guard (and /metrics' with `metrics.require_auth`): the admin key, the control token
-    `ember up` hands its gateway, or a 401/403."""
+    `ember up` hands its gateway, or an API key scoped to the `admin` endpoint; else a 401 or 403."""
     control_token = os.environ.get(CONTROL_TOKEN_ENV) or None
     if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
+        return
+    if dispatcher.keys.is_admin(authorization):
+        return
+    principal = dispatcher.keys.find(authorization)
+    if principal is not None:
+        require_endpoint(principal, "admin")
         return
     if dispatcher.config.admin_key_sha256 is None:
         raise GatewayError(
             403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
             "admin_disabled",
         )  # fmt: skip
-    if not dispatcher.keys.is_admin(authorization):
-        raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
+    raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
 
 def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
@@ -152,32 +156,19 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
             )  # fmt: skip
         if dispatcher.pool.get(registration.replica_id) is not None:
             raise GatewayError(409, f"Replica {registration.replica_id!r} is already registered.", code="replica_exists", param="id")
-        replica = Replica(
-            id=registration.replica_id,
-            url=registration.url,
-            model=registration.model,
-            upstream_model=deployment.model or registration.model,
-            deployment=deployment.name,
-            version=deployment.version,
-            weight=deployment.weight,
-            region=registration.region,
-            labels=dict(registration.labels),
-            capacity=registration.capacity,
+        replica = new_replica(
+            registration.model, deployment, replica_id=registration.replica_id, url=registration.url,
+            region=registration.region, labels=dict(registration.labels), capacity=registration.capacity,
             api_key=registration.replica_api_key or deployment.replica_api_key,
-        )
-        dispatcher.pool.add(replica)
-        await dispatcher.health.probe(replica)  # admitted now if it already answers, else by the prober later
+        )  # fmt: skip
+        await join(dispatcher, replica)
         return replica_state(replica)
 
     @router.delete("/replicas/{replica_id:path}")
     async def deregister_replica(replica_id: str, timeout_s: float = Query(default=30.0, ge=0)) -> dict[str, Any]:
-        replica = dispatcher.pool.remove(replica_id)
+        replica = await leave(dispatcher, replica_id, timeout_s)
         if replica is None:
             raise GatewayError(404, f"No replica {replica_id!r} is registered.", code="replica_not_found")
-        deadline = time.monotonic() + timeout_s
-        while replica.outstanding > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        dispatcher.pool.forget_drained(replica)
         return {**replica_state(replica), "state": "removed", "drained": replica.outstanding == 0}
 
     return router

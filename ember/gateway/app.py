@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember import sse
+from ember.errors import ClientDisconnected
 from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
@@ -43,10 +44,6 @@ SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
 WATCH_AFTER_S = 0.02
 
 
-class ClientDisconnected(Exception):
-    """The client went away while its request body was being read."""
-
-
 def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
@@ -60,6 +57,7 @@ class GatewayApp:
         self.extensions = [factory(self.dispatcher) for factory in extension_factories]
         self.max_body_bytes = config.limits.max_body_bytes
         self.api = build_api(self.dispatcher, self.extensions)
+        self.discovery: list = []  # EndpointSliceWatchers (ember.gateway.discovery), one per discovered deployment
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -81,12 +79,18 @@ class GatewayApp:
 
     async def start(self) -> None:
         await self.dispatcher.start()
+        if any(d.discovery is not None for model in self.config.models.values() for d in model.deployments):
+            from ember.gateway.discovery import start_discovery  # the kubernetes client, only when used
+
+            self.discovery = await start_discovery(self.dispatcher)
         for extension in self.extensions:
             await extension.start()
 
     async def stop(self) -> None:
         for extension in reversed(self.extensions):
             await extension.stop()
+        for watcher in self.discovery:
+            await watcher.stop()
         await self.dispatcher.stop()
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:

@@ -21,7 +21,8 @@ Shape (every section but `models` is optional):
             version: v1
             weight: 90                  # traffic share among this model's deployments (canaries)
             api_key_env: REPLICA_KEY    # the replicas' own key (vLLM --api-key), for all its replicas
-            replicas:
+            replicas:                   # or, on Kubernetes, instead of a list:
+                                        #   discovery: {kubernetes: {service: NAME, port: http}}
               - url: http://127.0.0.1:8001
                 region: us-east
                 labels: {hw: cpu}
@@ -30,7 +31,7 @@ Shape (every section but `models` is optional):
     keys:
       store: keys.db                    # SQLite key store (relative to this file); `ember keys` writes it
       inline:
-        - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
+        - {name: ci, sha256: <hex>, models: [tiny], endpoints: [chat, completions], priority: 1, rpm: 600}
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
     metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,13 +121,36 @@ class ReplicaConfig(_ReplicaCredential):
         return self.id or self.url
 
 
+class KubernetesDiscovery(StrictModel):
+    """The ready endpoints of a Kubernetes Service are the deployment's replicas (ember.gateway.discovery)."""
+
+    service: str = Field(description="The Service whose EndpointSlices list the replicas")
+    namespace: str | None = Field(default=None, description="Default: the namespace the gateway's pod runs in")
+    port: str | int = Field(default="http", description="The Service port's name, or its number")
+    scheme: Literal["http", "https"] = "http"
+    capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each pod")
+    region: str | None = None
+
+
+class DiscoveryConfig(StrictModel):
+    kubernetes: KubernetesDiscovery
+
+
 class DeploymentConfig(_ReplicaCredential):
     name: str = "default"
     model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
     version: str | None = None
     weight: float = Field(default=1.0, ge=0)
-    # Empty only for an autoscaled model, whose replicas the autoscaler starts and registers.
+    # Empty for an autoscaled model, whose replicas the autoscaler starts and registers, and for one
+    # whose replicas are discovered.
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_replica_source(self) -> DeploymentConfig:
+        if self.replicas and self.discovery is not None:
+            raise ValueError("list replicas or set discovery, not both")
+        return self
 
 
 class AutoscalingConfig(StrictModel):
@@ -194,10 +218,22 @@ class RegionConfig(StrictModel):
         return latencies
 
 
+# The API surfaces a key can be scoped to: /v1/chat/completions (and WebSocket/gRPC chat),
+# /v1/completions (and WebSocket/gRPC prompts), /v1/files + /v1/batches, /v1/async/*, /admin/*.
+KeyEndpoint = Literal["chat", "completions", "batch", "async", "admin"]
+DEFAULT_KEY_ENDPOINTS: tuple[KeyEndpoint, ...] = ("chat", "completions", "batch", "async")
+
+
 class KeyPolicy(StrictModel):
-    """What one API key may do. Shared by inline keys and the SQLite key store."""
+    """What one API key may do. Shared by inline keys and the SQLite key store (stored as this
+    model's JSON, so a key stored before a field existed reads that field's default)."""
 
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
+    endpoints: list[KeyEndpoint] = Field(
+        default_factory=lambda: list(DEFAULT_KEY_ENDPOINTS),
+        min_length=1,
+        description="API surfaces it may use; default: all but admin",
+    )
     priority: int = Field(default=0, ge=0, description="Queue tier; a higher tier is served first")
     max_priority: int | None = Field(
         default=None, ge=0, description="Highest tier a request may ask for (x-ember-priority); default: priority"
@@ -220,6 +256,9 @@ class KeyPolicy(StrictModel):
 
     def allows_model(self, model: str) -> bool:
         return "*" in self.models or model in self.models
+
+    def allows_endpoint(self, endpoint: KeyEndpoint) -> bool:
+        return endpoint in self.endpoints
 
 
 class InlineKeyConfig(KeyPolicy):
@@ -372,13 +411,14 @@ class GatewayConfig(StrictModel):
 
 
 def _replica_source_problems(model_name: str, model: GatewayModelConfig) -> list[str]:
-    """A model's replicas are either listed (static) or started by the autoscaler, never both."""
+    """A model's replicas are listed (static), discovered, or started by the autoscaler; an autoscaled
+    model's replicas are registered by `ember up` or discovered (a Deployment the Kubernetes provider scales)."""
     if model.autoscaling is None:
         return [
-            f"models.{model_name}.deployments[{index}].replicas: list at least one replica, or give the model "
-            "an autoscaling section"
+            f"models.{model_name}.deployments[{index}].replicas: list at least one replica, set discovery, or "
+            "give the model an autoscaling section"
             for index, deployment in enumerate(model.deployments)
-            if not deployment.replicas
+            if not deployment.replicas and deployment.discovery is None
         ]
     if len(model.deployments) != 1:
         return [f"models.{model_name}.deployments: an autoscaled model has exactly one deployment, its replicas join it"]
@@ -429,17 +469,40 @@ def parse_config(data: Any, source: str = "gateway config", base_dir: Path | Non
     return config
 
 
-def load_config(path: str | Path) -> GatewayConfig:
-    path = Path(path)
+def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise GatewayConfigError(f"cannot read gateway config {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise GatewayConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def merge_mappings(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `overlay`'s keys set; nested mappings are merged key by key, anything else replaced."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = merge_mappings(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path, overlays: Sequence[str | Path] = ()) -> GatewayConfig:
+    """The config file, with each overlay file merged over it in order (on Kubernetes the keys and admin
+    digest come from a Secret, the rest from a ConfigMap)."""
+    path = Path(path)
+    data = _read_yaml(path)
+    for overlay_path in map(Path, overlays):
+        overlay = _read_yaml(overlay_path)
+        if not isinstance(data, dict) or not isinstance(overlay, dict):
+            raise GatewayConfigError(f"{overlay_path}: an overlay and the config it extends must both be mappings")
+        data = merge_mappings(data, overlay)
+    source = " + ".join(map(str, [path, *overlays]))
+    return parse_config(data, source=source, base_dir=path.parent)
 
 
 def with_replica_api_keys(config: GatewayConfig, api_keys: Mapping[str, str]) -> GatewayConfig:

@@ -18,11 +18,11 @@ import time
 import orjson
 
 from ember.gateway.admission_queue import AdmissionQueue
-from ember.gateway.config import GatewayConfig
+from ember.gateway.config import GatewayConfig, KeyEndpoint
 from ember.gateway.errors import GatewayError, unavailable
 from ember.gateway.health import HealthProber
 from ember.gateway.http_client import UpstreamResponse
-from ember.gateway.keys import KeyRing, KeyStore, Principal
+from ember.gateway.keys import KeyRing, KeyStore, Principal, require_endpoint
 from ember.gateway.metrics import GatewayMetrics
 from ember.gateway.priority import engine_priority, request_tier
 from ember.gateway.proxy import (
@@ -42,7 +42,8 @@ from ember.gateway.scraper import MetricsScraper
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
-ENDPOINTS = ("chat/completions", "completions")
+# The dispatcher's endpoints -> the key scope (KeyPolicy.endpoints) each one needs.
+ENDPOINT_SCOPES: dict[str, KeyEndpoint] = {"chat/completions": "chat", "completions": "completions"}
 
 
 class Dispatcher:
@@ -98,8 +99,10 @@ class Dispatcher:
     ) -> UpstreamResult:
         """`raw_body`: the request's bytes when the caller has them, forwarded as-is when unchanged."""
         arrival = time.monotonic()
-        if endpoint not in ENDPOINTS:
+        if endpoint not in ENDPOINT_SCOPES:
             raise GatewayError(404, f"Unknown endpoint {endpoint!r}.", code="unknown_url")
+        if not is_background:  # jobs were checked against the async or batch scope when submitted
+            require_endpoint(principal, ENDPOINT_SCOPES[endpoint])
         request = parse_request_body(endpoint, body)
         model = request.model
         if model not in self.config.models:

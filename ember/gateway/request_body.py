@@ -23,7 +23,6 @@ from ember.gateway.errors import GatewayError, bad_request
 NON_FINITE_MESSAGE = "must be a finite number"
 
 PositiveInt = Annotated[int, Field(ge=1)]
-TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Fields(BaseModel):
@@ -75,7 +74,9 @@ class ChatRequestBody(RequestBody):
 
 
 class CompletionRequestBody(RequestBody):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Types only: token ids are checked against the vocabulary by the replica. Token-id lists come
+    # first, so a long one is matched without trying it as a list of strings (one error per item).
+    prompt: str | list[int] | list[str] | list[list[int]]
 
 
 BODY_MODELS: dict[str, type[RequestBody]] = {

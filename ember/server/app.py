@@ -80,9 +80,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [
-            ModelCard(
-                id=name, created=created, root=str(engine.engine.source), max_model_len=engine.max_model_len
-            )
+            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len)
             for name in settings.served_model_names
         ]
         return json_response(ModelList(data=cards))
@@ -104,8 +102,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         chat.served_model(body.model)
-        if body.tokens:
-            chat.check_prompt_tokens(body.tokens, "tokens")
+        engine.check_token_ids(body.tokens, "tokens")
         return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
     @app.get("/health")

@@ -67,17 +67,18 @@ def sha256(text: str) -> str:
 class ServerThread:
     """A uvicorn server for `app` on its own event loop thread; stop() closes its connections."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
         self.app = app
+        self.host = host
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+            self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="auto", timeout_graceful_shutdown=1, loop="asyncio", http="httptools",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
@@ -112,7 +113,7 @@ class ServerThread:
 class FakeReplica:
     """An OpenAI-compatible upstream with knobs. Responses say which replica served them."""
 
-    def __init__(self, name: str, port: int | None = None):
+    def __init__(self, name: str, port: int | None = None, host: str = "127.0.0.1"):
         self.name = name
         self.requests: list[dict] = []  # bodies, in arrival order
         self.in_flight = 0
@@ -133,7 +134,7 @@ class FakeReplica:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
         ]
-        self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port)
+        self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port, host)
         self.server.app.add_middleware(_RecordAuthorization, replica=self)
 
     @property

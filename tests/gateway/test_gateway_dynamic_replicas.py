@@ -50,7 +50,7 @@ def register(gateway_url: str, replica: FakeReplica, **fields):
 
 def test_registration_needs_the_control_token_or_the_admin_key(gateway, fake):
     response = http.post(gateway.url + "/admin/replicas", json={"model": "tiny", "url": fake.url}, headers=AUTH)
-    assert response.status_code == 403 and response.json()["error"]["code"] == "admin_disabled"
+    assert response.status_code == 403 and response.json()["error"]["code"] == "endpoint_not_allowed"
     response = http.post(
         gateway.url + "/admin/replicas", json={"model": "tiny", "url": fake.url}, headers={"authorization": "Bearer x"}
     )

@@ -37,10 +37,13 @@ def test_by_default_metrics_are_open_and_labelled_by_key_name(replicas, start_ga
 
 def test_require_auth_serves_metrics_to_the_admin_key_only(replicas, start_gateway):
     gateway = start(start_gateway, replicas[0], require_auth=True)
-    for headers in ({}, AUTH, {"authorization": "Bearer sk-wrong"}):
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}):
         response = http.get(gateway.url + "/metrics", headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_admin_key"
+    # A normal key is outside the admin scope (see test_key_scopes for keys scoped to admin).
+    response = http.get(gateway.url + "/metrics", headers=AUTH)
+    assert (response.status_code, response.json()["error"]["code"]) == (403, "endpoint_not_allowed")
     response = http.get(gateway.url + "/metrics", headers=ADMIN)
     assert response.status_code == 200 and "ember_gateway_requests_total" in response.text
     # Probes stay open.

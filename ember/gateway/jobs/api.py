@@ -57,7 +57,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     router = APIRouter()
 
     async def submit(request: Request, endpoint: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         body = await read_json_object(request)
         webhook_url = body.pop("webhook_url", None)
         priority = body.pop("priority", DEFAULT_PRIORITY)
@@ -102,7 +102,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         return await submit(request, "/v1/completions")
 
     async def owned_job(request: Request, job_id: str):
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         job = await runtime.store.get_job(job_id)
         if job is None or job.kind != "async" or job.key_id != principal.key_id:
             raise not_found("job", job_id)
@@ -133,7 +133,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/async/webhook-secret")
     async def webhook_secret(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         return JSONResponse(
             {"object": "webhook.secret", "secret": runtime.webhooks.secret_for(principal.key_id)}
         )

@@ -82,7 +82,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         body = await read_json_object(request)
         endpoint = body.get("endpoint")
         if not is_endpoint(endpoint):
@@ -144,7 +144,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         limit_text = request.query_params.get("limit", "20")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
             raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
@@ -165,7 +165,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         batch = await runtime.batch_store.get_batch(batch_id, principal.key_id)
         if batch is None:
             raise not_found("batch", batch_id)
@@ -173,7 +173,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         now = runtime.now()
 
         batch, running, cancelled = await runtime.batch_store.start_cancelling(batch_id, principal.key_id, now)

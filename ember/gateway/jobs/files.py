@@ -91,7 +91,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.post("/v1/files")
     async def upload(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
         length = request.headers.get("content-length")
@@ -125,13 +125,13 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files")
     async def list_files(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         files = await runtime.batch_store.list_files(principal.key_id)
         return JSONResponse({"object": "list", "data": [f.to_public() for f in files], "has_more": False})
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         stored = await runtime.batch_store.get_file(file_id, principal.key_id)
         if stored is None:
             raise not_found("file", file_id)
@@ -139,7 +139,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         content = await runtime.batch_store.file_content(file_id, principal.key_id)
         if content is None:
             raise not_found("file", file_id)
@@ -147,7 +147,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         if not await runtime.batch_store.delete_file(file_id, principal.key_id):
             raise not_found("file", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})

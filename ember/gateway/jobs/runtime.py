@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ember.gateway.config import KeyPolicy
+from ember.gateway.config import KeyEndpoint, KeyPolicy
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.metrics import JobMetrics
@@ -17,7 +17,7 @@ from ember.gateway.jobs.store import Job, JobStore
 from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
-from ember.gateway.keys import Principal
+from ember.gateway.keys import Principal, require_endpoint
 
 if TYPE_CHECKING:
     from ember.gateway.extensions import GatewayServices
@@ -68,8 +68,11 @@ class JobsRuntime:
         await self.webhooks.stop()
         await self.store.close()
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        return self.dispatcher.authenticate(authorization)
+    def authenticate(self, authorization: str | None, endpoint: KeyEndpoint) -> Principal:
+        """The caller's key, which must be scoped to `endpoint` ("async" or "batch")."""
+        principal = self.dispatcher.authenticate(authorization)
+        require_endpoint(principal, endpoint)
+        return principal
 
     def principal_for(self, job: Job) -> Principal:
         """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
