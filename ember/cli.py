@@ -29,6 +29,8 @@ COMMAND_EXTRAS = {
     "keys": "gateway",
     "bench": "bench",
 }
+# Packages that only some runs of a command import, with their own extra (`ember up` with launch.ray).
+MODULE_EXTRAS = {"ray": "ray"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:  # a host that installed fewer extras than this command needs
         if exc.name is None or exc.name.partition(".")[0] == "ember":
             raise
-        extra = COMMAND_EXTRAS[args.command]
+        extra = MODULE_EXTRAS.get(exc.name.partition(".")[0], COMMAND_EXTRAS[args.command])
         print(f"ember {args.command}: error: {exc}; install it with: pip install 'ember[{extra}]'", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the CLI prints one clear line, never a traceback

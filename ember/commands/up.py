@@ -42,17 +42,22 @@ def run(args: argparse.Namespace) -> int:
     if args.print_commands:
         for child in fleet.children:
             print(f"{child.name}: {shlex.join(child.argv)}")
+        ray = fleet.launch.ray
         for name, model in fleet.autoscaled.items():
             scaling = model.autoscaling
             command = shlex.join([sys.executable, "-m", "ember.cli", *model.serve_args])
-            print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): "
-                  f"{command} --host {model.host} --port <a free port>")  # fmt: skip
+            where = f"--host {model.host} --port <a free port>"
+            if ray is not None:
+                where = (f"--host <its node> --port <a free port>  (a Ray actor, address {ray.address}, "
+                         f"num_cpus {ray.replica.num_cpus:g}, num_gpus {ray.replica.num_gpus:g})")  # fmt: skip
+            print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): {command} {where}")
         return 0
     return asyncio.run(run_fleet(fleet))
 
 
 async def run_fleet(fleet) -> int:
-    """The supervisor, and with autoscaled models the autoscaler and its local-process provider."""
+    """The supervisor, and with autoscaled models the autoscaler and its provider: local processes, or
+    Ray actors when the fleet has `launch.ray`."""
     import dataclasses
     import secrets
 
@@ -70,6 +75,11 @@ async def run_fleet(fleet) -> int:
     fleet = dataclasses.replace(fleet, children=[dataclasses.replace(gateway, env={**gateway.env, CONTROL_TOKEN_ENV: token}), *replicas])
     supervisor = Supervisor(fleet)
     admin = GatewayAdmin(fleet.gateway_url, token, drain_timeout_s=fleet.launch.shutdown_timeout_s)
-    provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log)
+    if fleet.launch.ray is not None:
+        from ember.control.autoscaling.ray_provider import RayProvider
+
+        provider = await RayProvider.connect(fleet, admin, log=supervisor.log)
+    else:
+        provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, fleet.credential, log=supervisor.log)
     supervisor.services.append(Autoscaler(fleet, provider, log=supervisor.log))
     return await supervisor.run()

@@ -12,6 +12,9 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       autoscaled:                             # how to start replicas of models with an `autoscaling:` section
         tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}
       autoscaler: {interval_s: 2, port: 8090} # decision interval; /metrics and /status of `ember up` (optional)
+      ray:                                    # optional: the autoscaled replicas run as Ray actors (docs/ray.md)
+        address: local                        # or auto, ray://head:10001, head:6379
+        replica: {num_cpus: 1, num_gpus: 0}
       kubernetes: {...}                       # `ember deploy k8s` only (ember.deploy.settings)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
@@ -24,7 +27,9 @@ does not show), so no other local process can call a replica past the gateway's 
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import secrets
 import sys
 from collections.abc import Mapping
@@ -93,6 +98,43 @@ class LaunchAutoscaler(StrictModel):
     port: int | None = Field(default=None, ge=1, le=65535, description="Serves /metrics and /status when set")
 
 
+class RayHead(StrictModel):
+    """The Ray head `ember up` starts itself with `address: local`."""
+
+    num_cpus: int | None = Field(default=None, gt=0, description="CPUs it offers; default: the machine's")
+    num_gpus: int | None = Field(default=None, ge=0, description="GPUs it offers; default: the machine's")
+    object_store_memory_mb: int = Field(default=200, ge=80, description="Its object store (replicas use little)")
+
+
+class RayReplicaRequest(StrictModel):
+    """What Ray reserves on a node for each replica; it places the replica where that is free."""
+
+    num_cpus: float = Field(default=1.0, ge=0, description="Also the replica's --num-threads (rounded up)")
+    num_gpus: float = Field(default=0.0, ge=0)
+    memory_mb: int | None = Field(default=None, gt=0, description="Memory Ray reserves for it (a scheduling hint)")
+
+
+class LaunchRay(StrictModel):
+    address: str = Field(
+        default="auto",
+        description='"local" (start a Ray head in `ember up`), "auto" (the cluster this node belongs to), '
+        '"ray://host:10001" (Ray Client) or "host:6379" (a head\'s GCS)',
+    )
+    namespace: str = Field(default="ember", min_length=1, description="Ray namespace of the replica actors")
+    head: RayHead = Field(default_factory=RayHead)
+    replica: RayReplicaRequest = Field(default_factory=RayReplicaRequest)
+    health_interval_s: float = Field(default=1.0, gt=0, description="How often each replica's process is checked")
+
+    @model_validator(mode="after")
+    def _address(self) -> LaunchRay:
+        address = self.address
+        if address not in ("local", "auto") and not re.fullmatch(r"(ray://)?[^\s/:]+:\d{1,5}", address):
+            raise ValueError(f'address must be "local", "auto", ray://host:port or host:port, got {address!r}')
+        if address != "local" and "head" in self.model_fields_set:
+            raise ValueError('head: only for address "local" (the head `ember up` starts itself)')
+        return self
+
+
 class LaunchConfig(StrictModel):
     gateway: LaunchGateway = Field(default_factory=LaunchGateway)
     replicas: list[LaunchReplica] = Field(default_factory=list)
@@ -100,6 +142,7 @@ class LaunchConfig(StrictModel):
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="Per child, before SIGKILL")
     autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
     autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
+    ray: LaunchRay | None = Field(default=None, description="Run the autoscaled models' replicas as Ray actors")
     kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` only
 
 
@@ -200,6 +243,10 @@ def load_fleet(path: str | Path) -> Fleet:
         "gateway", [*gateway_argv, *launch.gateway.args], f"http://{launch.gateway.host}:{launch.gateway.port}/health",
         env={FLEET_CREDENTIAL_ENV: credential},
     )  # fmt: skip
+    if launch.ray is not None:
+        if not any(model.autoscaling for model in gateway.models.values()):
+            raise FleetError(f"{path}: launch.ray: Ray runs the replicas of models with an autoscaling section; none has one")
+        threads = max(1, math.ceil(launch.ray.replica.num_cpus))  # what Ray grants each replica
     autoscaled = _autoscaled_models(path, gateway, launch, threads)
     return Fleet(path, gateway, launch, [gateway_child, *children], autoscaled, credential)
 
@@ -216,6 +263,8 @@ def _autoscaled_models(
         if model.autoscaling is None:
             continue
         how = launch.autoscaled.get(name) or LaunchAutoscaled()
+        if launch.ray is not None and "host" in how.model_fields_set:
+            raise FleetError(f"{path}: launch.autoscaled.{name}.host: replicas on Ray listen on their node's address")
         if how.region is not None and gateway.regions and how.region not in gateway.regions:
             raise FleetError(f"{path}: launch.autoscaled.{name}.region: {how.region!r} is not declared under regions")
         upstream = model.deployments[0].model or name

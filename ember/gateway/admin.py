@@ -6,8 +6,8 @@ the `admin` endpoint:
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
     GET    /admin/replicas                      health, load and ejection state of every replica
-    POST   /admin/replicas                      {model, url, id, region, labels, capacity, deployment}: a new
-                                                replica joins routing after its first successful probe
+    POST   /admin/replicas                      {model, url, id, region, labels, capacity, deployment, api_key}: a
+                                                new replica joins routing after its first successful probe
     DELETE /admin/replicas/{id}[?timeout_s=30]  leaves routing at once, answers once its requests finish
 
 Besides the admin key, the control token `ember up` hands its gateway in EMBER_GATEWAY_CONTROL_TOKEN
@@ -171,6 +171,7 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
         replica = new_replica(
             registration.model, deployment, replica_id=registration.replica_id, url=registration.url,
             region=registration.region, labels=dict(registration.labels), capacity=registration.capacity,
+            api_key=registration.replica_api_key or deployment.replica_api_key,
         )  # fmt: skip
         await join(dispatcher, replica)
         return replica_state(replica)

@@ -96,6 +96,13 @@ def test_a_replica_joins_routing_only_after_a_successful_probe(gateway, fake):
     assert chat(gateway.url).headers["x-ember-replica"] == "r1"
 
 
+def test_a_registered_replica_gets_the_api_key_of_its_registration(gateway, fake):
+    """How `ember up`'s Ray replicas, which require the fleet's credential, are called by the gateway."""
+    assert register(gateway.url, fake, api_key="fleet-credential").status_code == 201
+    assert chat(gateway.url).status_code == 200
+    assert fake.authorizations["/v1/chat/completions"] == {"Bearer fleet-credential"}
+
+
 def test_a_leaving_replica_takes_no_new_request_and_answers_once_its_requests_finish(gateway, fake):
     other = FakeReplica("r2").start()
     try:

@@ -33,6 +33,7 @@ import httpx
 from ember.control.autoscaling.standby import GO_FILE_ENV
 from ember.control.fleet import AutoscaledModel, ChildSpec
 from ember.control.supervisor import Supervisor
+from ember.server.settings import API_KEY_ENV
 
 ADMIT_POLL_S = 0.2
 
@@ -81,15 +82,31 @@ class GatewayAdmin:
             base_url=gateway_url, headers={"authorization": f"Bearer {control_token}"}, timeout=10.0
         )
 
-    async def register(self, replica: ManagedReplica, capacity: int, region: str | None) -> bool:
-        """Registers the replica; True once the gateway has admitted it."""
+    async def register(
+        self, replica: ManagedReplica, capacity: int, region: str | None, api_key: str | None = None
+    ) -> bool:
+        """Registers the replica (`api_key`: what the gateway sends it); True once the gateway has admitted it."""
         body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region}
+        if api_key is not None:
+            body["api_key"] = api_key
         response = await self._client.post("/admin/replicas", json=body)
         response.raise_for_status()
         return response.json()["state"] == "ready"
 
+    async def admit(
+        self, replica: ManagedReplica, capacity: int, region: str | None, api_key: str | None = None
+    ) -> None:
+        """Registers the replica and returns once the gateway has admitted it (its first passing probe)."""
+        admitted = False
+        with contextlib.suppress(httpx.HTTPError):  # a gateway restarting: the loop below asks again
+            admitted = await self.register(replica, capacity, region, api_key)
+        while not admitted:
+            await asyncio.sleep(ADMIT_POLL_S)
+            with contextlib.suppress(httpx.HTTPError):
+                admitted = await self.is_admitted(replica.id)
+
     async def states(self) -> dict[str, str]:
-        """Replica id -> its state in the gateway (ready, ejected, draining)."""
+        """Replica id -> its state in the gateway (loading, ready, ejected, draining)."""
         response = await self._client.get("/admin/replicas")
         response.raise_for_status()
         return {item["id"]: item["state"] for item in response.json()["data"]}
@@ -97,12 +114,12 @@ class GatewayAdmin:
     async def is_admitted(self, replica_id: str) -> bool:
         return (await self.states()).get(replica_id) == "ready"
 
-    async def deregister(self, replica_id: str) -> None:
-        """Out of routing at once; returns when its requests have finished (or the drain timed out)."""
+    async def deregister(self, replica_id: str, timeout_s: float | None = None) -> None:
+        """Out of routing at once; returns when its requests have finished (or the drain timed out
+        after `timeout_s`, default `drain_timeout_s`)."""
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
         response = await self._client.delete(
-            f"/admin/replicas/{replica_id}",
-            params={"timeout_s": self.drain_timeout_s},
-            timeout=self.drain_timeout_s + 10.0,
+            f"/admin/replicas/{replica_id}", params={"timeout_s": timeout_s}, timeout=timeout_s + 10.0
         )
         if response.status_code != 404:  # 404: it never got registered
             response.raise_for_status()
@@ -132,11 +149,13 @@ class LocalProcessProvider:
         supervisor: Supervisor,
         models: dict[str, AutoscaledModel],
         gateway: GatewayAdmin,
+        credential: str,
         log: Callable[[str], None] = print,
     ):
         self.supervisor = supervisor
         self.models = models
         self.gateway = gateway
+        self.credential = credential  # the fleet's service credential: each replica's only key
         self.log = log
         self._replicas: dict[str, ManagedReplica] = {}
         self._admissions: dict[str, asyncio.Task] = {}  # replicas still loading
@@ -156,7 +175,8 @@ class LocalProcessProvider:
         argv = [sys.executable, "-m", "ember.control.autoscaling.standby", *how.serve_args,
                 "--host", how.host, "--port", str(port)]  # fmt: skip
         health_url = f"http://{how.host}:{port}/health"
-        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, {GO_FILE_ENV: str(standby.go_file)}))
+        env = {GO_FILE_ENV: str(standby.go_file), API_KEY_ENV: self.credential}
+        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, env))
         self._standbys[model] = standby
 
     async def start_replica(self, model: str) -> ManagedReplica:
@@ -181,13 +201,7 @@ class LocalProcessProvider:
         """Waits for the process to serve, registers it, and marks it ready once the gateway admits it."""
         while not await self._healthy(replica.url + "/health"):
             await asyncio.sleep(ADMIT_POLL_S)
-        admitted = False
-        with contextlib.suppress(httpx.HTTPError):  # a gateway restarting: the loop below asks again
-            admitted = await self.gateway.register(replica, how.capacity, how.region)
-        while not admitted:
-            await asyncio.sleep(ADMIT_POLL_S)
-            with contextlib.suppress(httpx.HTTPError):
-                admitted = await self.gateway.is_admitted(replica.id)
+        await self.gateway.admit(replica, how.capacity, how.region, api_key=self.credential)
         del self._admissions[replica.id]
         replica.state = ReplicaState.READY
         if replica.ready_at is None:
