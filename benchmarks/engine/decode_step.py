@@ -65,8 +65,8 @@ def main() -> None:
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.live_sequences()):
         engine.step()
     if args.draft_tokens:
-        engine.proposer = RepeatLastToken(args.draft_tokens)
-        engine.spec_stats = SpecDecodeStats(accepted_per_position=[0] * args.draft_tokens)
+        engine.scheduler.proposer = RepeatLastToken(args.draft_tokens)
+        engine.scheduler.spec_stats = SpecDecodeStats(accepted_per_position=[0] * args.draft_tokens)
     for _ in range(3):
         engine.step()
     if args.profile:

@@ -20,8 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-API_CHOICES = ("completions", "chat")
-API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+from ember.sse import DONE_DATA
 
 
 @dataclass
@@ -72,7 +71,7 @@ async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         for line in lines:
             if line.startswith(b"data:"):
                 data = line[5:].strip()
-                if data == b"[DONE]":
+                if data == DONE_DATA:
                     return
                 yield data
 

@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from ember.bench import API_PATHS
 from ember.bench.arrivals import arrival_offsets
-from ember.bench.client import API_PATHS, RequestResult, stream_request
+from ember.bench.client import RequestResult, stream_request
 from ember.bench.datasets import Conversation, Turn
 from ember.bench.metrics import RequestRecord
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ember.bench.client import API_CHOICES
+from ember.bench import API_PATHS
 from ember.bench.datasets import DATASET_NAMES, SHAREGPT_HELP
 
 
@@ -15,7 +15,7 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--base-url", default="http://127.0.0.1:8000",
                        help="server root, without /v1 (default: %(default)s); ember, vLLM, SGLang, "
                             "llama.cpp or the ember gateway")
-    group.add_argument("--api", choices=API_CHOICES, default="completions",
+    group.add_argument("--api", choices=tuple(API_PATHS), default="completions",
                        help="completions: /v1/completions with a text prompt; chat: /v1/chat/completions "
                             "(default: %(default)s)")
     group.add_argument("--model", default=None,

@@ -25,6 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     store_args(create)
     create.add_argument("--name", required=True, help="A name for the key (unique among live keys)")
     create.add_argument("--models", default="*", help='Comma-separated model names it may use (default "*": all)')
+    create.add_argument(
+        "--endpoints",
+        help="Comma-separated API surfaces it may use: chat, completions, batch, async, admin "
+        "(default: all but admin)",
+    )
     create.add_argument("--priority", type=int, default=0, help="Queue tier: a higher number is served first, by the gateway's queue and by the replicas' engines")
     create.add_argument("--max-priority", type=int, help="Highest tier a request may ask for (default --priority)")
     create.add_argument("--rpm", type=int, help="Requests per minute")
@@ -72,10 +77,12 @@ def run_create(args: argparse.Namespace) -> int:
 
     from ember.gateway.config import KeyPolicy, validation_message
 
-    models = [model.strip() for model in args.models.split(",") if model.strip()]
+    models = comma_list(args.models)
+    scope = {} if args.endpoints is None else {"endpoints": comma_list(args.endpoints)}
     try:
         policy = KeyPolicy(
             models=models or ["*"],
+            **scope,
             priority=args.priority,
             max_priority=args.max_priority,
             rpm=args.rpm,
@@ -99,6 +106,10 @@ def run_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def run_list(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
@@ -108,13 +119,15 @@ def run_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([record.to_dict() for record in records]))
         return 0
-    print(f"{'ID':<17} {'NAME':<20} {'KEY':<16} {'MODELS':<20} {'TIER':>4} {'RPM':>6} {'TPM':>8}  STATUS")
+    print(
+        f"{'ID':<17} {'NAME':<20} {'KEY':<16} {'MODELS':<20} {'ENDPOINTS':<32} {'TIER':>4} {'RPM':>6} {'TPM':>8}  STATUS"
+    )
     for record in records:
         policy = record.policy
         status = "revoked" if record.revoked_at else "live"
         print(
             f"{record.id:<17} {record.name:<20} {record.display:<16} {','.join(policy.models):<20} "
-            f"{policy.priority:>4} {policy.rpm or '-':>6} {policy.tpm or '-':>8}  {status}"
+            f"{','.join(policy.endpoints):<32} {policy.priority:>4} {policy.rpm or '-':>6} {policy.tpm or '-':>8}  {status}"
         )
     return 0
 

@@ -11,6 +11,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ember.engine.args import EngineArgs
+    from ember.http_protocol import DEFAULT_HEADER_TIMEOUT_S
+    from ember.server.settings import API_KEY_ENV
 
     parser = subparsers.add_parser(
         "serve",
@@ -31,9 +33,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument(
         "--api-key",
-        default=os.environ.get("EMBER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-        "(default: $EMBER_API_KEY, else no key)",
+        default=os.environ.get(API_KEY_ENV),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize: one shared key for "
+        "a single replica, with no scopes or quotas (per-key scopes and limits: ember gateway) "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+    group.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="require the --api-key on /metrics as well (default: /metrics is open, as Prometheus scrapes it)",
     )
     group.add_argument(
         "--max-queued-requests",
@@ -66,6 +74,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="largest request body accepted; larger gets 413 (default: %(default)s)",
     )
     group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection gets to send complete request headers before it is closed "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         choices=LOG_LEVELS,
@@ -79,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.engine.args import EngineArgs
     from ember.engine.async_engine import AsyncEngine
+    from ember.http_protocol import header_timeout_protocol
     from ember.server.app import create_app
     from ember.server.lifecycle import DrainingServer
     from ember.server.settings import ServerSettings
@@ -89,12 +105,14 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or [args.model]),
         api_key=args.api_key or None,
+        metrics_require_auth=args.metrics_require_auth,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         queue_timeout=args.queue_timeout,
         drain_timeout=args.drain_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
     )
+    http_protocol = header_timeout_protocol(args.header_timeout)
     engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args))
     app = create_app(engine, settings)
     config = uvicorn.Config(
@@ -102,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=http_protocol,
         access_log=False,  # ember.access writes one structured line per request instead
         lifespan="on",
         timeout_graceful_shutdown=5,  # after our own drain, only idle keep-alive connections remain

@@ -56,17 +56,18 @@ async def run_fleet(fleet) -> int:
     import dataclasses
     import secrets
 
-    from ember.control.autoscaling.autoscaler import Autoscaler
-    from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider
     from ember.control.supervisor import Supervisor
-    from ember.gateway.admin import CONTROL_TOKEN_ENV
 
     if not fleet.autoscaled:
         return await Supervisor(fleet).run()
+    from ember.control.autoscaling.autoscaler import Autoscaler
+    from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider
+    from ember.gateway.admin import CONTROL_TOKEN_ENV
+
     # A token only this gateway and this process know, for registering the replicas it starts.
     token = secrets.token_urlsafe(32)
     gateway, *replicas = fleet.children
-    fleet = dataclasses.replace(fleet, children=[dataclasses.replace(gateway, env={CONTROL_TOKEN_ENV: token}), *replicas])
+    fleet = dataclasses.replace(fleet, children=[dataclasses.replace(gateway, env={**gateway.env, CONTROL_TOKEN_ENV: token}), *replicas])
     supervisor = Supervisor(fleet)
     admin = GatewayAdmin(fleet.gateway_url, token, drain_timeout_s=fleet.launch.shutdown_timeout_s)
     provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log)

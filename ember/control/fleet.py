@@ -12,31 +12,41 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       autoscaled:                             # how to start replicas of models with an `autoscaling:` section
         tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}
       autoscaler: {interval_s: 2, port: 8090} # decision interval; /metrics and /status of `ember up` (optional)
+      kubernetes: {...}                       # `ember deploy k8s` only (ember.deploy.settings)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
+
+Each `ember up` generates a service credential that only its gateway holds: the replicas it launches
+get it as their API key and the gateway sends it to them (both through the environment, which `ps`
+does not show), so no other local process can call a replica past the gateway's keys and limits.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from ember.deploy.settings import KubernetesLaunch
 from ember.errors import EmberError
 from ember.gateway.config import (
+    FLEET_CREDENTIAL_ENV,
     AutoscalingConfig,
     GatewayConfig,
     GatewayConfigError,
     format_location,
     load_config,
 )
-from ember.gateway.replicas import ReplicaPool
-from ember.gateway.router import Router
+from ember.gateway.routing import validate_routing
+from ember.server.settings import API_KEY_ENV
+from ember.strict_model import StrictModel
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -45,23 +55,19 @@ class FleetError(EmberError):
     """The fleet file's `launch:` section is missing or does not fit its `models:`."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LaunchGateway(_Strict):
+class LaunchGateway(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     args: list[str] = Field(default_factory=list, description="More `ember gateway` flags")
 
 
-class LaunchReplica(_Strict):
+class LaunchReplica(StrictModel):
     port: int = Field(ge=1, le=65535, description="Port of a replica url in `models:` on this machine")
     model: str | None = Field(default=None, description="What `ember serve --model` loads")
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
 
 
-class RestartPolicy(_Strict):
+class RestartPolicy(StrictModel):
     initial_backoff_s: float = Field(default=1.0, gt=0)
     max_backoff_s: float = Field(default=30.0, gt=0)
     stable_after_s: float = Field(default=30.0, gt=0, description="Uptime after which the backoff resets")
@@ -73,7 +79,7 @@ class RestartPolicy(_Strict):
         return self
 
 
-class LaunchAutoscaled(_Strict):
+class LaunchAutoscaled(StrictModel):
     model: str | None = Field(default=None, description="What `ember serve --model` loads; default: the model id")
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
     host: str = "127.0.0.1"
@@ -81,19 +87,20 @@ class LaunchAutoscaled(_Strict):
     region: str | None = None
 
 
-class LaunchAutoscaler(_Strict):
+class LaunchAutoscaler(StrictModel):
     interval_s: float = Field(default=2.0, gt=0, description="Time between two scaling decisions")
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535, description="Serves /metrics and /status when set")
 
 
-class LaunchConfig(_Strict):
+class LaunchConfig(StrictModel):
     gateway: LaunchGateway = Field(default_factory=LaunchGateway)
     replicas: list[LaunchReplica] = Field(default_factory=list)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="Per child, before SIGKILL")
     autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
     autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
+    kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` only
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class ChildSpec:
     name: str  # "gateway", "replica-8001": the prefix of its log lines
     argv: list[str]
     health_url: str  # polled only to report readiness; the gateway probes replicas itself
-    env: dict[str, str] = field(default_factory=dict)  # on top of ember up's own environment
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the supervisor's environment
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class Fleet:
     launch: LaunchConfig
     children: list[ChildSpec]  # the gateway first: it is stopped first on shutdown
     autoscaled: dict[str, AutoscaledModel] = field(default_factory=dict)  # by the model name clients use
+    # The service credential only the gateway holds; every replica the fleet starts requires it.
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def gateway_url(self) -> str:
@@ -132,8 +141,8 @@ class Fleet:
 def load_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     gateway = load_config(path)  # the gateway's own validation, exactly as `ember gateway` will do it
-    try:  # routing options are checked when the gateway builds its router: check them now, not in a crash loop
-        Router(gateway, ReplicaPool.from_config(gateway))
+    try:  # the gateway checks routing options when it starts: check them now, not in a crash loop
+        validate_routing(gateway)
     except GatewayConfigError as exc:
         raise FleetError(f"{path}: {exc}") from None
     try:
@@ -144,9 +153,9 @@ def load_fleet(path: str | Path) -> Fleet:
         ]
         raise FleetError(f"{path}: " + "; ".join(problems)) from None
     python = [sys.executable, "-m", "ember.cli"]
-    gateway_argv = [*python, "gateway", "--config", str(path.resolve()), "--host", launch.gateway.host,
-                    "--port", str(launch.gateway.port), *launch.gateway.args]  # fmt: skip
-    children = [ChildSpec("gateway", gateway_argv, f"http://{launch.gateway.host}:{launch.gateway.port}/health")]
+    credential = secrets.token_urlsafe(32)
+    children: list[ChildSpec] = []
+    launched_ids: list[str] = []
     used_ports = {launch.gateway.port: "launch.gateway.port"}
     # Threads per replica: the machine's cores shared out among every replica that may run at once,
     # unless the fleet sets --num-threads.
@@ -157,7 +166,7 @@ def load_fleet(path: str | Path) -> Fleet:
         if replica.port in used_ports:
             raise FleetError(f"{where}.port: {replica.port} is already used by {used_ports[replica.port]}")
         used_ports[replica.port] = f"launch.replicas[{index}].port"
-        host, served = _served_models(gateway, replica.port)
+        host, served, replica_ids, keyed = _local_replicas(gateway, replica.port)
         if not served:
             raise FleetError(
                 f"{where}.port: no replica under models has a local url on port {replica.port} "
@@ -166,14 +175,33 @@ def load_fleet(path: str | Path) -> Fleet:
         model = replica.model or served[0]
         if replica.model is None and len(served) > 1:
             raise FleetError(f"{where}.model: required, its deployments serve several models: {', '.join(served)}")
+        if keyed:
+            raise FleetError(f"{where}: `ember up` generates the key of the replicas it starts; remove {keyed}")
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in replica.args):
+            raise FleetError(f"{where}.args: `ember up` generates the key of the replicas it starts; remove --api-key")
         if not Path(model).is_absolute() and (path.parent / model).exists():
             model = str((path.parent / model).resolve())
         argv = [*python, "serve", "--model", model, "--host", host, "--port", str(replica.port),
                 "--served-model-name", *served]  # fmt: skip
         if "--num-threads" not in replica.args:
             argv += ["--num-threads", str(threads)]
-        children.append(ChildSpec(f"replica-{replica.port}", [*argv, *replica.args], f"http://{host}:{replica.port}/health"))
-    return Fleet(path, gateway, launch, children, _autoscaled_models(path, gateway, launch, threads))
+        children.append(
+            ChildSpec(
+                f"replica-{replica.port}", [*argv, *replica.args], f"http://{host}:{replica.port}/health",
+                env={API_KEY_ENV: credential},
+            )
+        )  # fmt: skip
+        launched_ids += replica_ids
+    gateway_argv = [*python, "gateway", "--config", str(path.resolve()), "--host", launch.gateway.host,
+                    "--port", str(launch.gateway.port)]  # fmt: skip
+    if launched_ids:
+        gateway_argv += ["--fleet-replicas", *launched_ids]
+    gateway_child = ChildSpec(
+        "gateway", [*gateway_argv, *launch.gateway.args], f"http://{launch.gateway.host}:{launch.gateway.port}/health",
+        env={FLEET_CREDENTIAL_ENV: credential},
+    )  # fmt: skip
+    autoscaled = _autoscaled_models(path, gateway, launch, threads)
+    return Fleet(path, gateway, launch, [gateway_child, *children], autoscaled, credential)
 
 
 def _autoscaled_models(
@@ -203,17 +231,25 @@ def _autoscaled_models(
     return models
 
 
-def _served_models(gateway: GatewayConfig, port: int) -> tuple[str, list[str]]:
-    """(host, model ids) of the replicas under `models:` listening locally on `port`."""
+def _local_replicas(gateway: GatewayConfig, port: int) -> tuple[str, list[str], list[str], str | None]:
+    """The replicas under `models:` listening locally on `port`: (host, the model ids they serve, their
+    replica ids, where one already configures an api key, if any does)."""
     host = "127.0.0.1"
     served: list[str] = []
+    replica_ids: list[str] = []
+    keyed = None
     for name, model in gateway.models.items():
-        for deployment in model.deployments:
-            for replica in deployment.replicas:
+        for d_index, deployment in enumerate(model.deployments):
+            for r_index, replica in enumerate(deployment.replicas):
                 url = urlsplit(replica.url)
                 if url.hostname in LOCAL_HOSTS and (url.port or (443 if url.scheme == "https" else 80)) == port:
                     host = url.hostname
+                    replica_ids.append(replica.replica_id)
                     upstream = deployment.model or name
                     if upstream not in served:
                         served.append(upstream)
-    return host, served
+                    if deployment.sets_api_key:
+                        keyed = f"the api key of models.{name}.deployments[{d_index}]"
+                    if replica.sets_api_key:
+                        keyed = f"the api key of models.{name}.deployments[{d_index}].replicas[{r_index}]"
+    return host, served, replica_ids, keyed

@@ -30,9 +30,11 @@ from typing import Protocol
 import httpx
 
 from ember.control.fleet import ChildSpec, Fleet, RestartPolicy
+from ember.side_client import side_client
 
 PR_SET_PDEATHSIG = 1
 READY_POLL_S = 0.5
+READY_PROBE_TIMEOUT_S = 2.0
 OUTPUT_LINE_LIMIT = 1 << 20
 
 
@@ -85,7 +87,7 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         self.log(f"starting {len(self._children) - 1} replica(s) and the gateway on {self.fleet.gateway_url}")
-        async with httpx.AsyncClient(timeout=2.0) as probe:
+        async with side_client(READY_PROBE_TIMEOUT_S) as probe:
             self._probe = probe
             for child in self._children:
                 child.task = asyncio.create_task(self._supervise(child), name=child.spec.name)

@@ -8,16 +8,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ember.engine.resources import DEFAULT_MAX_MODEL_LEN_CAP
 from ember.errors import EmberError
-from ember.kernels.native import KERNEL_CHOICES
+from ember.kernels import KERNEL_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
 # context: short steps let a new request's prefill start (and its first token come out) sooner and keep
-# running streams' inter-token latency low, at some cost in prefill throughput. Measured on the 2-core dev
-# machine (docs/benchmarks.md): at 8 concurrent streams, 256 halves the median TTFT against 1024 at equal
-# output tok/s, while pure prefill runs ~25% slower.
+# running streams' inter-token latency low, at some cost in prefill throughput (measured in
+# docs/benchmarks.md, "The server's step budget").
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
 
 
@@ -80,9 +80,9 @@ class SpeculativeConfig:
 @dataclass
 class EngineArgs:
     model: str = "smollm2-135m-instruct"  # alias, HF folder or .gguf
-    dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (~300x slower)
+    dtype: str = "auto"  # auto: bfloat16 on CPU where supported; never float16 on CPU (far slower)
     device: str = "auto"  # auto -> cuda if available else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings capped at 8192
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped (resources.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; default sized by the model runner
     max_num_seqs: int = 64
@@ -132,7 +132,8 @@ class EngineArgs:
         group.add_argument("--device", default=defaults.device,
                            help="auto, cpu, cuda or cuda:N (auto picks cuda when available)")
         group.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
-                           help="longest prompt + completion in tokens (default: the model's, capped at 8192)")
+                           help="longest prompt + completion in tokens (default: the model's, capped at "
+                                f"{DEFAULT_MAX_MODEL_LEN_CAP})")
         group.add_argument("--block-size", type=int, default=defaults.block_size,
                            help="tokens per paged KV-cache block (default: %(default)s)")
         group.add_argument("--kv-cache-memory", type=float, default=defaults.kv_cache_memory,

@@ -14,19 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ember.engine.args import EngineArgs
+from ember.engine.errors import EngineDeadError, EngineRequestError, InvalidRequestError
 from ember.engine.llm_engine import LLMEngine, PreparedRequest
 from ember.engine.outputs import EngineStats, RequestOutput
 from ember.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineRequestError(RuntimeError):
-    """The engine failed while serving this request (a model step raised); the engine itself lives on."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, shut down, or crashed)."""
 
 
 class AsyncEngine:
@@ -35,6 +28,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
+        self.source = engine.source  # where the model was loaded from
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wakeup = threading.Condition()
@@ -75,14 +69,24 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------
 
+    def check_prompt(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
+        """The checks generate() applies to a prompt, for callers that refuse a request before queueing it;
+        raises InvalidRequestError with `param` as the field's name."""
+        self.engine.check_prompt(prompt_token_ids, param)
+
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
+        """Raise InvalidTokenIdError if a token id is outside the vocabulary."""
+        self.engine.check_token_ids(token_ids, param)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last has finished=True. Raises ValueError for a bad request,
-        EngineRequestError when the engine failed it. Closing the generator early aborts the request."""
+        """Stream the request's outputs; the last has finished=True. Raises InvalidRequestError for a bad
+        request, EngineRequestError when the engine failed it, EngineDeadError when it is not running.
+        Closing the generator early aborts the request."""
         if not self.is_running:
             raise EngineDeadError(self._dead_reason())
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         # Tokenizing and validating here keeps bad requests out of the engine and raises to the caller.
         prepared = self.engine.prepare_request(request_id, prompt, params, priority)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -197,7 +201,7 @@ def _build_off_this_thread(args: EngineArgs) -> LLMEngine:
     libgomp gives each thread that runs a parallel region its own pool of OpenMP workers, and once the
     pools hold more threads than there are cores it stops spin-waiting between regions. A model step runs
     hundreds of small parallel regions, so a pool left behind by the event loop's thread (from loading the
-    weights there) made every step of the engine thread about 2x slower on 2 cores. A finished thread's
+    weights there) made every step of the engine thread far slower (docs/benchmarks.md). A finished thread's
     pool goes away with it; the event loop's thread then never runs torch at all."""
     built: dict[str, Any] = {}
 

@@ -159,14 +159,6 @@ class BlockManager:
         child.num_committed_blocks = min(num_blocks, parent.num_committed_blocks)
         child.block_hashes = parent.block_hashes[:num_blocks]
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence holds."""
-        for block_hash, block_id in list(self.cached.items()):
-            if self.ref_counts[block_id] == 0:
-                self.block_hash[block_id] = None
-                del self.cached[block_hash]
-                self.free_queue.move_to_end(block_id, last=False)
-
     # ---- checks -------------------------------------------------------------------------------
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:

@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from ember.engine.args import EngineArgs
+from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
-from ember.errors import EmberError
 from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
@@ -22,18 +23,11 @@ from ember.models.config import ModelConfig, cpu_supports_bfloat16
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
-# Without --kv-cache-memory: what max_num_seqs sequences of max_model_len need, at most this much.
-DEFAULT_KV_CACHE_GIB = {"cpu": 1.0, "cuda": 4.0}
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], args: EngineArgs) -> None:
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
         self.config = config
@@ -53,7 +47,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
             pack_linear_weights(self.model)
 
-        self.num_blocks = self._num_kv_blocks(args)
+        self.num_blocks = num_kv_blocks(config, self.block_size, self.dtype, self.device, args.kv_cache_memory,
+                                        args.max_num_seqs, args.max_model_len)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:
         # padding slots are read (and masked), and a masked key must still be finite for softmax @ V.
         self.kv_cache = torch.zeros(
@@ -61,29 +56,14 @@ class ModelRunner:
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler(config.eos_token_ids, self.device, args.seed, self.native)
+        self.sampler = Sampler(self.device, args.seed, self.native)
         logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     self.dtype, self.device, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
                     "native" if self.native else "torch")
 
-    def _num_kv_blocks(self, args: EngineArgs) -> int:
-        config = self.config
-        bytes_per_block = (2 * config.num_hidden_layers * config.num_key_value_heads * self.block_size
-                           * config.head_dim * self.dtype.itemsize)
-        if args.kv_cache_memory is not None:
-            num_blocks = int(args.kv_cache_memory * GiB // bytes_per_block)
-            if num_blocks < 1:
-                raise EmberError(f"kv_cache_memory {args.kv_cache_memory} GiB holds no KV block "
-                                 f"({bytes_per_block} bytes each): raise it")
-            return num_blocks
-        max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-        needed = args.max_num_seqs * -(-max_model_len // self.block_size)
-        budget = int(DEFAULT_KV_CACHE_GIB.get(self.device.type, 1.0) * GiB // bytes_per_block)
-        return max(1, min(needed, budget))
-
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
         sequence, and the scores of prompt tokens for sequences that ask for prompt logprobs."""
         scheduled = out.scheduled
@@ -125,7 +105,7 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        result = StepResult([None] * len(scheduled), [None] * len(scheduled))
+        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
         rows = sample_rows + prompt_rows
         if not rows:
             return result
@@ -134,8 +114,10 @@ class ModelRunner:
         # The sampler upcasts to float32 itself where it needs more than each row's argmax.
         logits = self.model.compute_logits(hidden, upcast=False)
         if sample_rows:
-            tokens = self.sampler(logits[: len(sample_rows)], [scheduled[i].seq for i in sampled_seqs],
-                                  [scheduled[i].draft_token_ids for i in sampled_seqs])
+            metadata = SamplingMetadata.from_sequences(
+                [scheduled[i].seq for i in sampled_seqs], [scheduled[i].draft_token_ids for i in sampled_seqs],
+                self.config.eos_token_ids, self.device)
+            tokens = self.sampler(logits[: len(sample_rows)], metadata)
             for i, token in zip(sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token
         if prompt_rows:
@@ -149,7 +131,7 @@ class ModelRunner:
 
 
 @dataclass
-class StepResult:
+class ModelRunnerOutput:
     """What one step computed, aligned with SchedulerOutput.scheduled."""
 
     # The tokens each sequence gains (its accepted draft tokens, then one sampled token); None where the

@@ -22,9 +22,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the matched stop string or stop token id
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestMetrics:

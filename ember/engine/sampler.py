@@ -7,13 +7,11 @@ those of the raw model logits (before penalties and temperature), like vLLM's de
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
 
-from ember.engine.sampling_params import SamplingParams
-from ember.engine.sequence import Sequence
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.kernels.native import NativeKernels
 
 
@@ -27,19 +25,16 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: SequenceOf[int], device: torch.device, seed: int,
-                 native: NativeKernels | None = None) -> None:
-        self.eos_token_ids = list(eos_token_ids)
+    def __init__(self, device: torch.device, seed: int, native: NativeKernels | None = None) -> None:
         self.device = device
         self.native = native  # its argmax takes bfloat16 logits at memory speed
         # Draws for requests without a seed: one generator per runner, so a run is reproducible from args.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 drafts: list[list[int]] | None = None) -> list[list[SampledToken]]:
-        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed). seqs[i],
-        whose token_ids hold prompt + output so far, owns 1 + len(drafts[i]) consecutive rows: the logits
-        after its last token, then after each of its draft tokens.
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[list[SampledToken]]:
+        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed); sequence i
+        owns 1 + len(metadata.drafts[i]) consecutive rows from metadata.starts[i]: the logits after its last
+        token, then after each of its draft tokens.
 
         Returns each sequence's new tokens: the draft tokens it accepts, then one token of its own, drawn at
         the first rejected position (or after the last draft). Greedy rows accept a draft token that is the
@@ -47,35 +42,31 @@ class Sampler:
         the output distribution exactly that of plain decoding (speculative sampling with a one-token
         proposal). Rows with drafts must not have penalties or pending min_tokens: those depend on the
         tokens before each row, which the engine leaves to draft-free decoding."""
-        drafts = drafts or [[] for _ in seqs]
-        starts, row_seqs = [], []
-        for seq, draft in zip(seqs, drafts, strict=True):
-            starts.append(len(row_seqs))
-            row_seqs += [seq] * (1 + len(draft))
-        if logits.dtype != torch.float32 and not all(_argmax_only(seq) for seq in seqs):
+        drafts, starts = metadata.drafts, metadata.starts
+        if logits.dtype != torch.float32 and metadata.needs_float32:
             logits = logits.float()
         raw = logits
-        logits = self._apply_min_tokens(logits, row_seqs)
-        logits = self._apply_penalties(logits, row_seqs)
+        logits = self._apply_min_tokens(logits, metadata)
+        logits = self._apply_penalties(logits, metadata)
         if logits.dtype == torch.bfloat16 and self.native is not None and logits.is_contiguous():
             ids = self.native.argmax(logits).tolist()
         else:
             ids = _argmax(logits).tolist()
-        accepted = [_matching_prefix(draft, ids, start) if draft and seq.params.greedy else 0
-                    for seq, draft, start in zip(seqs, drafts, starts, strict=True)]
-        random_seqs = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        accepted = [_matching_prefix(draft, ids, start) if draft and greedy else 0
+                    for draft, start, greedy in zip(drafts, starts, metadata.greedy, strict=True)]
+        random_seqs = [i for i, greedy in enumerate(metadata.greedy) if not greedy]
         if random_seqs:
-            self._sample(logits, seqs, drafts, starts, random_seqs, accepted, ids)
+            self._sample(logits, metadata, random_seqs, accepted, ids)
         out = []
         for draft, start, count in zip(drafts, starts, accepted, strict=True):
             out.append([SampledToken(token_id, None, None, None) for token_id in draft[:count]]
                        + [SampledToken(ids[start + count], None, None, None)])
         # The log-normalizer over the whole vocabulary is the sampler's dearest step: only for rows that ask.
-        wanting = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        wanting = [i for i, count in enumerate(metadata.logprobs) if count is not None]
         if wanting:
             rows = [starts[i] + j for i in wanting for j in range(len(out[i]))]
             chosen = [token.token_id for i in wanting for token in out[i]]
-            wanted = [seqs[i].params.logprobs or 0 for i in wanting for _ in out[i]]
+            wanted = [metadata.logprobs[i] for i in wanting for _ in out[i]]
             with_logprobs = iter(self._logprobs(raw[rows], torch.tensor(chosen, device=self.device), wanted))
             for i in wanting:
                 out[i] = [next(with_logprobs) for _ in out[i]]
@@ -103,69 +94,48 @@ class Sampler:
         return [SampledToken(token_id, logprob, rank, row_top) for token_id, logprob, rank, row_top
                 in zip(token_ids.tolist(), logprobs, ranks, top, strict=True)]
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Until min_tokens outputs exist, EOS (unless ignore_eos, where it never stops anyway) and the stop
-        token ids cannot be sampled."""
-        rows, banned = [], []
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.min_tokens and seq.num_output_tokens < params.min_tokens:
-                ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-                rows += [row] * len(ids)
-                banned += ids
-        if not rows:
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.banned is None:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows, device=self.device), torch.tensor(banned, device=self.device)] = float("-inf")
+        logits[metadata.banned] = float("-inf")
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        repetition = [row for row, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
-        additive = [row for row, seq in enumerate(seqs)
-                    if seq.params.presence_penalty != 0.0 or seq.params.frequency_penalty != 0.0]
-        if not repetition and not additive:
+    def _apply_penalties(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        repetition, additive = metadata.repetition, metadata.additive
+        if repetition is None and additive is None:
             return logits
         logits = logits.clone()
-        if repetition:
+        if repetition is not None:
             # Hugging Face semantics over prompt + output: divide positive logits, multiply negative ones.
-            index = self._padded_ids(rows=repetition, seqs=seqs, output_only=False)
-            penalty = self._param_column(seqs, repetition, "repetition_penalty")
-            sub = logits[repetition]
+            index = repetition.token_ids
+            penalty = repetition.values["repetition_penalty"]
+            sub = logits[repetition.rows]
             seen = sub.gather(1, index)
             sub.scatter_(1, index, torch.where(seen > 0, seen / penalty, seen * penalty))
-            logits[repetition] = sub
-        if additive:
+            logits[repetition.rows] = sub
+        if additive is not None:
             # OpenAI semantics over output tokens: subtract frequency * count + presence * (count > 0).
-            index = self._padded_ids(rows=additive, seqs=seqs, output_only=True)
-            counts = torch.zeros(len(additive), logits.shape[1], device=self.device)
-            lengths = torch.tensor([seqs[row].num_output_tokens for row in additive], device=self.device)
-            valid = torch.arange(index.shape[1], device=self.device)[None, :] < lengths[:, None]
+            index = additive.token_ids
+            counts = torch.zeros(len(additive.rows), logits.shape[1], device=self.device)
+            valid = torch.arange(index.shape[1], device=self.device)[None, :] < additive.lengths[:, None]
             counts.scatter_add_(1, index, valid.float())
-            frequency = self._param_column(seqs, additive, "frequency_penalty")
-            presence = self._param_column(seqs, additive, "presence_penalty")
-            logits[additive] -= frequency * counts + presence * (counts > 0).float()
+            frequency = additive.values["frequency_penalty"]
+            presence = additive.values["presence_penalty"]
+            logits[additive.rows] -= frequency * counts + presence * (counts > 0).float()
         return logits
 
-    def _padded_ids(self, rows: list[int], seqs: list[Sequence], output_only: bool) -> torch.Tensor:
-        """[len(rows), longest] token ids per row, padded with the row's first id (or 0 when it has none)."""
-        lists = [seqs[row].output_token_ids if output_only else seqs[row].token_ids for row in rows]
-        width = max(1, max(len(ids) for ids in lists))
-        padded = [ids + [ids[0] if ids else 0] * (width - len(ids)) for ids in lists]
-        return torch.tensor(padded, dtype=torch.long, device=self.device)
-
-    def _param_column(self, seqs: list[Sequence], rows: list[int], name: str) -> torch.Tensor:
-        return torch.tensor([[getattr(seqs[row].params, name)] for row in rows], device=self.device)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
-                random_seqs: list[int], accepted: list[int], ids: list[int]) -> None:
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata, random_seqs: list[int],
+                accepted: list[int], ids: list[int]) -> None:
         """For the sequences with a temperature: set accepted[i] and ids[starts[i] + accepted[i]], the token
         drawn after the accepted drafts."""
-        rows, row_params, first = [], [], []
+        drafts, starts = metadata.drafts, metadata.starts
+        rows, first = [], []
         for i in random_seqs:
             first.append(len(rows))
             rows += range(starts[i], starts[i] + 1 + len(drafts[i]))
-            row_params += [seqs[i].params] * (1 + len(drafts[i]))
-        probs = self._probs(logits[rows] if len(rows) < logits.shape[0] else logits, row_params)
+        probs = self._probs(logits[rows] if len(rows) < logits.shape[0] else logits, metadata, rows)
         with_drafts = [k for k, i in enumerate(random_seqs) if drafts[i]]
         if with_drafts:
             draft_rows = [first[k] + j for k in with_drafts for j in range(len(drafts[random_seqs[k]]))]
@@ -173,7 +143,7 @@ class Sampler:
             draft_probs = iter(probs[draft_rows, draft_ids].tolist())
             for k in with_drafts:
                 i = random_seqs[k]
-                uniforms = self._uniforms(seqs[i], len(drafts[i]))
+                uniforms = self._uniforms(metadata.generators[i], len(drafts[i]))
                 probs_i = [next(draft_probs) for _ in drafts[i]]
                 count = 0
                 while count < len(probs_i) and uniforms[count] < probs_i[count]:
@@ -186,44 +156,43 @@ class Sampler:
             # proposal: p without the draft token (renormalizing is unnecessary for the race below).
             reject_rows, reject_ids = (list(column) for column in zip(*rejected, strict=True))
             final[reject_rows, reject_ids] = 0.0
-        chosen = self._race(final, [seqs[i] for i in random_seqs]).tolist()
+        chosen = self._race(final, [metadata.generators[i] for i in random_seqs]).tolist()
         for k, i in enumerate(random_seqs):
             ids[starts[i] + accepted[i]] = chosen[k]
 
-    def _uniforms(self, seq: Sequence, count: int) -> list[float]:
-        generator = seq.generator if seq.generator is not None else self.generator
+    def _uniforms(self, generator: torch.Generator | None, count: int) -> list[float]:
+        generator = generator if generator is not None else self.generator
         return torch.rand(count, generator=generator, device=generator.device).tolist()
 
-    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, top-k, softmax, top-p, min-p: the distribution each row samples from."""
-        logits = logits / torch.tensor([[p.temperature] for p in params], device=self.device)
-        if any(p.top_k for p in params):
-            logits = _apply_top_k(logits, [p.top_k for p in params])
+    @staticmethod
+    def _probs(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        """Temperature, top-k, softmax, top-p, min-p: the distribution each of `rows` samples from (logits holds
+        those rows, in order)."""
+        logits = logits / metadata.temperature[rows]
+        if metadata.top_k is not None:
+            logits = _apply_top_k(logits, [metadata.top_k[row] for row in rows])
         probs = logits.softmax(dim=-1)
-        if any(p.top_p < 1.0 for p in params):
-            # top_p == 1 keeps everything (a threshold of 1.0 could drop the tail to rounding in the cumsum).
-            top_p = [[p.top_p if p.top_p < 1.0 else float("inf")] for p in params]
-            probs = _apply_top_p(probs, torch.tensor(top_p, device=self.device))
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([[p.min_p] for p in params], device=self.device)
+        if metadata.top_p is not None:
+            probs = _apply_top_p(probs, metadata.top_p[rows])
+        if metadata.min_p is not None:
+            min_p = metadata.min_p[rows]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
-    def _race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One draw from each row of probs (unnormalized) for seqs[row].
+    def _race(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One draw from each row of probs (unnormalized), with generators[row] (None: the sampler's own).
 
         Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (renormalization is unnecessary).
         Each seeded row draws its noise from its own generator, so its samples do not depend on the batch."""
         noise = torch.empty_like(probs)
         unseeded = []
-        for row, seq in enumerate(seqs):
-            generator = seq.generator
+        for row, generator in enumerate(generators):
             if generator is None:
                 unseeded.append(row)
             else:
                 noise[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(generator=generator)
         if unseeded:
-            if len(unseeded) == len(seqs):
+            if len(unseeded) == len(generators):
                 noise.exponential_(generator=self.generator)
             else:
                 noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device).exponential_(
@@ -253,16 +222,8 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _argmax(rows: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, the first one on ties, like argmax: max(dim).indices is the same
-    reduction ~2.5x faster on CPU (0.44 vs 1.15 ms for [32, 49152] float32, 2 threads)."""
+    reduction, faster on CPU (docs/benchmarks.md)."""
     return rows.max(dim=-1).indices
-
-
-def _argmax_only(seq: Sequence) -> bool:
-    """Whether the sequence's next token is the argmax of the raw logits and nothing else is read of them
-    (the argmax of bfloat16 logits is that of their exact float32 upcast)."""
-    params = seq.params
-    return (params.greedy and params.logprobs is None and not params.has_penalties
-            and seq.num_output_tokens >= params.min_tokens)
 
 
 def _matching_prefix(draft: list[int], ids: list[int], start: int) -> int:

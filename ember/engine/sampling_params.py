@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ember.engine.errors import InvalidSamplingParamsError
+
 OutputKind = Literal["cumulative", "delta", "final"]
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
@@ -47,7 +49,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(name: str, message: str) -> None:
-            raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+            raise InvalidSamplingParamsError(f"{name} {message}, got {getattr(self, name)!r}", param=name)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import TYPE_CHECKING
+
+import torch
 
 from ember.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -48,9 +46,9 @@ class Sequence:
     __slots__ = (
         "request_id", "seq_id", "index", "priority", "arrival_time", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_table", "params", "generator", "status", "draft_token_ids",
-        # Engine bookkeeping below; the model runner reads only the fields above.
+        # Scheduler bookkeeping below; the model runner reads only the fields above.
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "num_forks", "max_tokens",
-        "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions", "detokenizer",
+        "stop_reason", "num_preemptions",
     )
 
     def __init__(
@@ -85,10 +83,16 @@ class Sequence:
         # The engine passes params.max_tokens capped by the room left in max_model_len.
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or sys.maxsize)
         self.stop_reason: str | int | None = None
-        self.cumulative_logprob = 0.0
-        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
-        self.detokenizer = None  # IncrementalDetokenizer, set by the engine
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """Sibling `index` of this request: the same prompt and limits, no tokens computed yet."""
+        generator = None
+        if self.generator is not None:
+            # Sibling i draws from seed + i: n seeded completions differ, and each is reproducible alone.
+            generator = torch.Generator(device=self.generator.device).manual_seed(self.params.seed + index)
+        return Sequence(self.request_id, seq_id, index, self.prompt_token_ids, self.params, self.priority,
+                        self.arrival_time, generator, self.max_tokens)
 
     @property
     def num_tokens(self) -> int:

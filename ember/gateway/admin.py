@@ -1,7 +1,8 @@
-"""The admin API, guarded by the admin key (`admin_key_sha256` in the config):
+"""The admin API, guarded by the admin key (`admin_key_sha256` in the config) or an API key scoped to
+the `admin` endpoint:
 
     GET    /admin/keys[?include_revoked=true]   list keys (never the keys themselves)
-    POST   /admin/keys                          {name, models, priority, rpm, ...} -> 201 with the key, shown once
+    POST   /admin/keys                          {name, models, endpoints, priority, rpm, ...} -> 201 with the key, shown once
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
     GET    /admin/replicas                      health, load and ejection state of every replica
@@ -15,10 +16,8 @@ is accepted: it is how the autoscaler registers the replicas it starts.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -27,11 +26,11 @@ from fastapi.responses import JSONResponse
 from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
-from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer
+from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer, require_endpoint
+from ember.gateway.membership import join, leave, new_replica
 from ember.gateway.replicas import Replica
 
 CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
-DRAIN_POLL_S = 0.05
 
 
 class NewKey(KeyPolicy):
@@ -43,6 +42,14 @@ class ReplicaRegistration(ReplicaConfig):
     deployment: str | None = None  # default: the model's first (an autoscaled model's only) deployment
 
 
+def _replica_state_name(replica: Replica, draining: bool) -> str:
+    if draining:
+        return "draining"
+    if replica.awaiting_first_probe:
+        return "loading"
+    return "ready" if replica.healthy else "ejected"
+
+
 def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
     return {
         "id": replica.id,
@@ -51,8 +58,9 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
         "deployment": replica.deployment,
         "version": replica.version,
         "region": replica.region,
-        "state": "draining" if draining else "ready" if replica.healthy else "ejected",
+        "state": _replica_state_name(replica, draining),
         "healthy": replica.healthy,
+        "awaiting_first_probe": replica.awaiting_first_probe,
         "ejection_reason": replica.ejection_reason,
         "outstanding": replica.outstanding,
         "capacity": replica.capacity,
@@ -65,20 +73,29 @@ def replica_state(replica: Replica, draining: bool = False) -> dict[str, Any]:
     }
 
 
-def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
+def require_admin(dispatcher: Dispatcher, authorization: str | None) -> None:
+    """The admin API's guard (and /metrics' with `metrics.require_auth`): the admin key, the control token
+    `ember up` hands its gateway, or an API key scoped to the `admin` endpoint; else a 401 or 403."""
     control_token = os.environ.get(CONTROL_TOKEN_ENV) or None
+    if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
+        return
+    if dispatcher.keys.is_admin(authorization):
+        return
+    principal = dispatcher.keys.find(authorization)
+    if principal is not None:
+        require_endpoint(principal, "admin")
+        return
+    if dispatcher.config.admin_key_sha256 is None:
+        raise GatewayError(
+            403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
+            "admin_disabled",
+        )  # fmt: skip
+    raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
-    def require_admin(request: Request) -> None:
-        authorization = request.headers.get("authorization")
-        if control_token is not None and hmac.compare_digest(parse_bearer(authorization) or "", control_token):
-            return
-        if dispatcher.config.admin_key_sha256 is None:
-            raise GatewayError(
-                403, "The admin API is disabled: set admin_key_sha256 in the gateway config.", "permission_error",
-                "admin_disabled",
-            )  # fmt: skip
-        if not dispatcher.keys.is_admin(authorization):
-            raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
+
+def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
+    def admin_only(request: Request) -> None:
+        require_admin(dispatcher, request.headers.get("authorization"))
 
     def store() -> KeyStore:
         if dispatcher.store is None:
@@ -87,7 +104,7 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
             )
         return dispatcher.store
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+    router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
     @router.get("/keys")
     async def list_keys(include_revoked: bool = False) -> dict[str, Any]:
@@ -139,31 +156,18 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
             )  # fmt: skip
         if dispatcher.pool.get(registration.replica_id) is not None:
             raise GatewayError(409, f"Replica {registration.replica_id!r} is already registered.", code="replica_exists", param="id")
-        replica = Replica(
-            id=registration.replica_id,
-            url=registration.url,
-            model=registration.model,
-            upstream_model=deployment.model or registration.model,
-            deployment=deployment.name,
-            version=deployment.version,
-            weight=deployment.weight,
-            region=registration.region,
-            labels=dict(registration.labels),
-            capacity=registration.capacity,
-        )
-        dispatcher.pool.add(replica)
-        await dispatcher.health.probe(replica)  # admitted now if it already answers, else by the prober later
+        replica = new_replica(
+            registration.model, deployment, replica_id=registration.replica_id, url=registration.url,
+            region=registration.region, labels=dict(registration.labels), capacity=registration.capacity,
+        )  # fmt: skip
+        await join(dispatcher, replica)
         return replica_state(replica)
 
     @router.delete("/replicas/{replica_id:path}")
     async def deregister_replica(replica_id: str, timeout_s: float = Query(default=30.0, ge=0)) -> dict[str, Any]:
-        replica = dispatcher.pool.remove(replica_id)
+        replica = await leave(dispatcher, replica_id, timeout_s)
         if replica is None:
             raise GatewayError(404, f"No replica {replica_id!r} is registered.", code="replica_not_found")
-        deadline = time.monotonic() + timeout_s
-        while replica.outstanding > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        dispatcher.pool.forget_drained(replica)
         return {**replica_state(replica), "state": "removed", "drained": replica.outstanding == 0}
 
     return router

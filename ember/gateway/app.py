@@ -11,48 +11,40 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.gateway.admin import build_admin_router
+from ember import sse
+from ember.errors import ClientDisconnected
+from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.proxy import UpstreamResult
+from ember.gateway.request_body import parse_json_object
+from ember.http_rules import (
+    UNSUPPORTED_MEDIA_TYPE,
+    UNSUPPORTED_MEDIA_TYPE_CODE,
+    is_json_content_type,
+    unsupported_media_type_message,
+)
+
+if TYPE_CHECKING:
+    from ember.gateway.extensions import ExtensionFactory, GatewayExtension
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
+# POST routes of the FastAPI side whose body is JSON (/v1/files takes a multipart upload).
+JSON_POST_PREFIXES = ("/v1/async/", "/v1/batches", "/admin/")
+SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
+    (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
-DONE_FRAME = b"data: [DONE]\n\n"
-KEEPALIVE_FRAME = b": waiting for a replica to start\n\n"
+KEEPALIVE_EVENT = b": waiting for a replica to start\n\n"  # an SSE comment: clients skip it
 HELD_KEEPALIVE_S = 5.0
 WATCH_AFTER_S = 0.02
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request body was being read."""
-
-
-class GatewayExtension(Protocol):
-    """A feature mounted on the gateway (async jobs, Batch API, WebSocket, gRPC): its routes join the
-    FastAPI app and it starts/stops with the gateway."""
-
-    router: APIRouter
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-ExtensionFactory = Callable[[Dispatcher], GatewayExtension]
 
 
 def error_response(exc: GatewayError) -> JSONResponse:
@@ -68,6 +60,7 @@ class GatewayApp:
         self.extensions = [factory(self.dispatcher) for factory in extension_factories]
         self.max_body_bytes = config.limits.max_body_bytes
         self.api = build_api(self.dispatcher, self.extensions)
+        self.discovery: list = []  # EndpointSliceWatchers (ember.gateway.discovery), one per discovered deployment
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -75,6 +68,13 @@ class GatewayApp:
             if endpoint is not None and scope["method"] == "POST":
                 await self._proxy(scope, receive, send, endpoint)
                 return
+            if scope["method"] == "POST" and scope["path"].startswith(JSON_POST_PREFIXES):
+                content_type = next((value for name, value in scope["headers"] if name == b"content-type"), None)
+                try:
+                    check_json_content_type(content_type)
+                except GatewayError as exc:
+                    await send_error(send, exc)
+                    return
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -82,12 +82,18 @@ class GatewayApp:
 
     async def start(self) -> None:
         await self.dispatcher.start()
+        if any(d.discovery is not None for model in self.config.models.values() for d in model.deployments):
+            from ember.gateway.discovery import start_discovery  # the kubernetes client, only when used
+
+            self.discovery = await start_discovery(self.dispatcher)
         for extension in self.extensions:
             await extension.start()
 
     async def stop(self) -> None:
         for extension in reversed(self.extensions):
             await extension.stop()
+        for watcher in self.discovery:
+            await watcher.stop()
         await self.dispatcher.stop()
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
@@ -108,10 +114,12 @@ class GatewayApp:
     # --- the hot path ---------------------------------------------------------------------------
 
     async def _proxy(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
-        authorization = priority = deadline = region = session = None
+        authorization = content_type = priority = deadline = region = session = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
+            elif name == b"content-type":
+                content_type = value
             elif name.startswith(b"x-ember-"):
                 if name == b"x-ember-priority":
                     priority = value
@@ -124,6 +132,7 @@ class GatewayApp:
         watcher: DisconnectWatcher | None = None
         held_stream: HeldStream | None = None  # only for a stream that may wait for a cold start
         try:
+            check_json_content_type(content_type)
             principal = self.dispatcher.authenticate(authorization)
             raw_body = await self._read_body(receive)
             body = parse_json_object(raw_body)
@@ -149,7 +158,7 @@ class GatewayApp:
             if watcher is not None:
                 watcher.stop()
             if held_stream is not None and held_stream.opened:  # no status line left: the error is the last event
-                await send({"type": "http.response.body", "body": b"data: " + exc.to_json() + b"\n\n"})
+                await send({"type": "http.response.body", "body": sse.data_event(exc.to_json())})
             else:
                 await send_error(send, exc)
             return
@@ -166,7 +175,7 @@ class GatewayApp:
             opened = held_stream is not None and held_stream.opened
             if opened and not result.stream:  # the replica answered an error, not a stream
                 watcher.stop()
-                await send({"type": "http.response.body", "body": b"data: " + result.body.strip() + b"\n\n"})
+                await send({"type": "http.response.body", "body": sse.data_event(result.body.strip())})
                 return
             if not result.stream:
                 watcher.stop()
@@ -179,9 +188,9 @@ class GatewayApp:
                 headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
-                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": sse.data_event(payload), "more_body": True})
             watcher.stop()
-            await send({"type": "http.response.body", "body": DONE_FRAME})
+            await send({"type": "http.response.body", "body": sse.DONE_EVENT})
         except asyncio.CancelledError:
             if watcher.fired:
                 asyncio.current_task().uncancel()
@@ -233,7 +242,7 @@ class HeldStream:
                 if not self.opened:
                     self.opened = True
                     await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                await self.send({"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True})
+                await self.send({"type": "http.response.body", "body": KEEPALIVE_EVENT, "more_body": True})
         finally:
             task.cancel()  # a no-op once it is done; else the client left or the server stops
 
@@ -281,14 +290,11 @@ async def send_error(send: Callable, exc: GatewayError) -> None:
     await send({"type": "http.response.body", "body": exc.to_json()})
 
 
-def parse_json_object(raw: bytes) -> dict:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
+def check_json_content_type(content_type: bytes | None) -> None:
+    """ember.http_rules' Content-Type rule for a JSON route, as a GatewayError."""
+    value = None if content_type is None else content_type.decode("latin-1")
+    if not is_json_content_type(value):
+        raise GatewayError(UNSUPPORTED_MEDIA_TYPE, unsupported_media_type_message(value), code=UNSUPPORTED_MEDIA_TYPE_CODE)
 
 
 def parse_int_header(value: bytes | None, name: str) -> int | None:
@@ -357,7 +363,9 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
         )
 
     @api.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if dispatcher.config.metrics.require_auth:
+            require_admin(dispatcher, request.headers.get("authorization"))
         return Response(dispatcher.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/v1/models")

@@ -20,29 +20,34 @@ Shape (every section but `models` is optional):
             model: tiny-v1              # the model id the replicas serve (sent upstream as `model`)
             version: v1
             weight: 90                  # traffic share among this model's deployments (canaries)
-            replicas:
+            api_key_env: REPLICA_KEY    # the replicas' own key (vLLM --api-key), for all its replicas
+            replicas:                   # or, on Kubernetes, instead of a list:
+                                        #   discovery: {kubernetes: {service: NAME, port: http}}
               - url: http://127.0.0.1:8001
                 region: us-east
                 labels: {hw: cpu}
                 capacity: 8             # max concurrent requests the gateway sends it
+                api_key: <key>          # or per replica, overriding the deployment's (api_key_env too)
     keys:
       store: keys.db                    # SQLite key store (relative to this file); `ember keys` writes it
       inline:
-        - {name: ci, sha256: <hex>, models: [tiny], priority: 1, rpm: 600}
+        - {name: ci, sha256: <hex>, models: [tiny], endpoints: [chat, completions], priority: 1, rpm: 600}
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
+    metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
     launch: {...}                       # `ember up` only: local replicas to start (ember.control.fleet)
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -53,7 +58,10 @@ from pydantic import (
 
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
+from ember.strict_model import StrictModel
 
+# `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
+FLEET_CREDENTIAL_ENV = "EMBER_FLEET_CREDENTIAL"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 ROUTING_POLICIES = (
     "round-robin",
@@ -68,11 +76,33 @@ class GatewayConfigError(EmberError):
     """The gateway configuration file is missing, unreadable or invalid."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _ReplicaCredential(StrictModel):
+    """The key the gateway sends a replica as `Authorization: Bearer <key>` (a replica started with
+    vLLM's or `ember serve`'s --api-key). Never a client's key: those stay at the gateway."""
+
+    api_key: str | None = Field(default=None, repr=False, description="The replica's key itself")
+    api_key_env: str | None = Field(default=None, description="Environment variable holding the replica's key")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _ReplicaCredential:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
+        return self
+
+    @property
+    def sets_api_key(self) -> bool:
+        return self.api_key is not None or self.api_key_env is not None
+
+    @property
+    def replica_api_key(self) -> str | None:
+        if self.api_key_env is not None:
+            return os.environ[self.api_key_env]
+        return self.api_key
 
 
-class ReplicaConfig(_Strict):
+class ReplicaConfig(_ReplicaCredential):
     url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000")
     id: str | None = Field(default=None, description="Stable name in metrics and logs; defaults to the URL")
     region: str | None = None
@@ -91,16 +121,39 @@ class ReplicaConfig(_Strict):
         return self.id or self.url
 
 
-class DeploymentConfig(_Strict):
+class KubernetesDiscovery(StrictModel):
+    """The ready endpoints of a Kubernetes Service are the deployment's replicas (ember.gateway.discovery)."""
+
+    service: str = Field(description="The Service whose EndpointSlices list the replicas")
+    namespace: str | None = Field(default=None, description="Default: the namespace the gateway's pod runs in")
+    port: str | int = Field(default="http", description="The Service port's name, or its number")
+    scheme: Literal["http", "https"] = "http"
+    capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each pod")
+    region: str | None = None
+
+
+class DiscoveryConfig(StrictModel):
+    kubernetes: KubernetesDiscovery
+
+
+class DeploymentConfig(_ReplicaCredential):
     name: str = "default"
     model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
     version: str | None = None
     weight: float = Field(default=1.0, ge=0)
-    # Empty only for an autoscaled model, whose replicas the autoscaler starts and registers.
+    # Empty for an autoscaled model, whose replicas the autoscaler starts and registers, and for one
+    # whose replicas are discovered.
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_replica_source(self) -> DeploymentConfig:
+        if self.replicas and self.discovery is not None:
+            raise ValueError("list replicas or set discovery, not both")
+        return self
 
 
-class AutoscalingConfig(_Strict):
+class AutoscalingConfig(StrictModel):
     """A model whose replica count follows its load (ember.control.autoscaling): enough replicas to
     keep the p90 objectives, as few as possible, none at all after `scale_to_zero_after_s` idle when
     `min_replicas` is 0 (the gateway then holds arriving requests while one starts)."""
@@ -129,7 +182,7 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(StrictModel):
     policy: Literal[ROUTING_POLICIES] = "least-outstanding"  # type: ignore[valid-type]
     # Policy-specific knobs (prefix length, load bound, session header, ...), read by ember.gateway.routing.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -137,7 +190,7 @@ class RoutingConfig(_Strict):
     region_aware: bool = True
 
 
-class GatewayModelConfig(_Strict):
+class GatewayModelConfig(StrictModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     deployments: list[DeploymentConfig] = Field(min_length=1)
     autoscaling: AutoscalingConfig | None = None
@@ -153,7 +206,7 @@ class GatewayModelConfig(_Strict):
         return self
 
 
-class RegionConfig(_Strict):
+class RegionConfig(StrictModel):
     latency_ms: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("latency_ms")
@@ -165,10 +218,22 @@ class RegionConfig(_Strict):
         return latencies
 
 
-class KeyPolicy(_Strict):
-    """What one API key may do. Shared by inline keys and the SQLite key store."""
+# The API surfaces a key can be scoped to: /v1/chat/completions (and WebSocket/gRPC chat),
+# /v1/completions (and WebSocket/gRPC prompts), /v1/files + /v1/batches, /v1/async/*, /admin/*.
+KeyEndpoint = Literal["chat", "completions", "batch", "async", "admin"]
+DEFAULT_KEY_ENDPOINTS: tuple[KeyEndpoint, ...] = ("chat", "completions", "batch", "async")
+
+
+class KeyPolicy(StrictModel):
+    """What one API key may do. Shared by inline keys and the SQLite key store (stored as this
+    model's JSON, so a key stored before a field existed reads that field's default)."""
 
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names it may use; "*" = all')
+    endpoints: list[KeyEndpoint] = Field(
+        default_factory=lambda: list(DEFAULT_KEY_ENDPOINTS),
+        min_length=1,
+        description="API surfaces it may use; default: all but admin",
+    )
     priority: int = Field(default=0, ge=0, description="Queue tier; a higher tier is served first")
     max_priority: int | None = Field(
         default=None, ge=0, description="Highest tier a request may ask for (x-ember-priority); default: priority"
@@ -192,6 +257,9 @@ class KeyPolicy(_Strict):
     def allows_model(self, model: str) -> bool:
         return "*" in self.models or model in self.models
 
+    def allows_endpoint(self, endpoint: KeyEndpoint) -> bool:
+        return endpoint in self.endpoints
+
 
 class InlineKeyConfig(KeyPolicy):
     name: str
@@ -206,7 +274,7 @@ class InlineKeyConfig(KeyPolicy):
         return digest
 
 
-class KeysConfig(_Strict):
+class KeysConfig(StrictModel):
     store: Path | None = Field(default=None, description="SQLite key store; relative to the config file")
     inline: list[InlineKeyConfig] = Field(default_factory=list)
 
@@ -219,25 +287,25 @@ class KeysConfig(_Strict):
         return self
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(StrictModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     default_max_tokens: int = Field(
         default=256, gt=0, description="Assumed completion length for TPM estimates when max_tokens is absent"
     )
 
 
-class TimeoutsConfig(_Strict):
+class TimeoutsConfig(StrictModel):
     connect_s: float = Field(default=2.0, gt=0)
     read_s: float = Field(
         default=120.0, gt=0, description="Max wait for the replica's response headers and between two chunks"
     )
 
 
-class FailoverConfig(_Strict):
+class FailoverConfig(StrictModel):
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request before giving up")
 
 
-class HealthConfig(_Strict):
+class HealthConfig(StrictModel):
     path: str = "/health"
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
@@ -245,18 +313,27 @@ class HealthConfig(_Strict):
     healthy_threshold: int = Field(default=1, ge=1, description="Consecutive successes that re-admit it")
 
 
-class ScrapeConfig(_Strict):
+class ScrapeConfig(StrictModel):
     path: str = "/metrics"
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
 
 
-class QueueConfig(_Strict):
+class QueueConfig(StrictModel):
     max_size: int = Field(default=1024, ge=0, description="Waiting requests per model; beyond it -> 429")
     default_deadline_ms: int = Field(default=30_000, gt=0, description="When neither header nor key sets one")
 
 
-class GatewayConfig(_Strict):
+class MetricsConfig(StrictModel):
+    """The gateway's own `GET /metrics`."""
+
+    require_auth: bool = Field(default=False, description="Serve /metrics only to the admin key")
+    key_labels: Literal["name", "id", "none"] = Field(
+        default="name", description="What the `key` label of per-key metrics holds: the key's name, its id, or nothing"
+    )
+
+
+class GatewayConfig(StrictModel):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
     regions: dict[str, RegionConfig] = Field(default_factory=dict)
@@ -268,12 +345,13 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     # `ember up`'s section (which local replicas to start, and how); the gateway ignores it and
     # ember.control.fleet validates it, so one fleet file serves both.
     launch: dict[str, Any] | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's: "async" or async_
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.
     _base_dir: Path | None = PrivateAttr(default=None)
 
@@ -295,6 +373,8 @@ class GatewayConfig(_Strict):
     def _cross_references(self) -> GatewayConfig:
         known = set(self.regions)
         problems: list[str] = []
+        if self.metrics.require_auth and self.admin_key_sha256 is None:
+            problems.append("metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics")
         if self.listener_region is not None and known and self.listener_region not in known:
             problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
         for region, region_config in self.regions.items():
@@ -331,13 +411,14 @@ class GatewayConfig(_Strict):
 
 
 def _replica_source_problems(model_name: str, model: GatewayModelConfig) -> list[str]:
-    """A model's replicas are either listed (static) or started by the autoscaler, never both."""
+    """A model's replicas are listed (static), discovered, or started by the autoscaler; an autoscaled
+    model's replicas are registered by `ember up` or discovered (a Deployment the Kubernetes provider scales)."""
     if model.autoscaling is None:
         return [
-            f"models.{model_name}.deployments[{index}].replicas: list at least one replica, or give the model "
-            "an autoscaling section"
+            f"models.{model_name}.deployments[{index}].replicas: list at least one replica, set discovery, or "
+            "give the model an autoscaling section"
             for index, deployment in enumerate(model.deployments)
-            if not deployment.replicas
+            if not deployment.replicas and deployment.discovery is None
         ]
     if len(model.deployments) != 1:
         return [f"models.{model_name}.deployments: an autoscaled model has exactly one deployment, its replicas join it"]
@@ -388,14 +469,60 @@ def parse_config(data: Any, source: str = "gateway config", base_dir: Path | Non
     return config
 
 
-def load_config(path: str | Path) -> GatewayConfig:
-    path = Path(path)
+def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise GatewayConfigError(f"cannot read gateway config {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise GatewayConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def merge_mappings(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `overlay`'s keys set; nested mappings are merged key by key, anything else replaced."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = merge_mappings(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path, overlays: Sequence[str | Path] = ()) -> GatewayConfig:
+    """The config file, with each overlay file merged over it in order (on Kubernetes the keys and admin
+    digest come from a Secret, the rest from a ConfigMap)."""
+    path = Path(path)
+    data = _read_yaml(path)
+    for overlay_path in map(Path, overlays):
+        overlay = _read_yaml(overlay_path)
+        if not isinstance(data, dict) or not isinstance(overlay, dict):
+            raise GatewayConfigError(f"{overlay_path}: an overlay and the config it extends must both be mappings")
+        data = merge_mappings(data, overlay)
+    source = " + ".join(map(str, [path, *overlays]))
+    return parse_config(data, source=source, base_dir=path.parent)
+
+
+def with_replica_api_keys(config: GatewayConfig, api_keys: Mapping[str, str]) -> GatewayConfig:
+    """`config` with the replicas named by id in `api_keys` carrying those keys (in place of any they
+    had): how `ember up`'s gateway learns the service credential of the replicas it launched."""
+    known = {replica.replica_id for model in config.models.values() for d in model.deployments for replica in d.replicas}
+    unknown = sorted(set(api_keys) - known)
+    if unknown:
+        raise GatewayConfigError(f"no replica under models has the id(s): {', '.join(unknown)}")
+
+    def keyed(replica: ReplicaConfig) -> ReplicaConfig:
+        if replica.replica_id not in api_keys:
+            return replica
+        return replica.model_copy(update={"api_key": api_keys[replica.replica_id], "api_key_env": None})
+
+    models = {
+        name: model.model_copy(update={"deployments": [
+            deployment.model_copy(update={"replicas": [keyed(replica) for replica in deployment.replicas]})
+            for deployment in model.deployments
+        ]})
+        for name, model in config.models.items()
+    }  # fmt: skip
+    return config.model_copy(update={"models": models})

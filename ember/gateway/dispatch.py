@@ -18,11 +18,11 @@ import time
 import orjson
 
 from ember.gateway.admission_queue import AdmissionQueue
-from ember.gateway.config import GatewayConfig
-from ember.gateway.errors import GatewayError, bad_request, unavailable
+from ember.gateway.config import GatewayConfig, KeyEndpoint
+from ember.gateway.errors import GatewayError, unavailable
 from ember.gateway.health import HealthProber
 from ember.gateway.http_client import UpstreamResponse
-from ember.gateway.keys import KeyRing, KeyStore, Principal
+from ember.gateway.keys import KeyRing, KeyStore, Principal, require_endpoint
 from ember.gateway.metrics import GatewayMetrics
 from ember.gateway.priority import engine_priority, request_tier
 from ember.gateway.proxy import (
@@ -35,13 +35,15 @@ from ember.gateway.proxy import (
 )
 from ember.gateway.ratelimit import Admission, RateLimiter
 from ember.gateway.replicas import Replica, ReplicaPool
+from ember.gateway.request_body import RequestBody, parse_request_body
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
-ENDPOINTS = ("chat/completions", "completions")
+# The dispatcher's endpoints -> the key scope (KeyPolicy.endpoints) each one needs.
+ENDPOINT_SCOPES: dict[str, KeyEndpoint] = {"chat/completions": "chat", "completions": "completions"}
 
 
 class Dispatcher:
@@ -51,7 +53,7 @@ class Dispatcher:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.pool = ReplicaPool.from_config(config)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.metrics.key_labels)
         self.metrics.watch_pool(self.pool)
         self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
         self.keys = KeyRing(config, self.store)
@@ -97,16 +99,17 @@ class Dispatcher:
     ) -> UpstreamResult:
         """`raw_body`: the request's bytes when the caller has them, forwarded as-is when unchanged."""
         arrival = time.monotonic()
-        if endpoint not in ENDPOINTS:
+        if endpoint not in ENDPOINT_SCOPES:
             raise GatewayError(404, f"Unknown endpoint {endpoint!r}.", code="unknown_url")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_request("You must provide a model parameter.", param="model")
+        if not is_background:  # jobs were checked against the async or batch scope when submitted
+            require_endpoint(principal, ENDPOINT_SCOPES[endpoint])
+        request = parse_request_body(endpoint, body)
+        model = request.model
         if model not in self.config.models:
             raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         policy = principal.policy
         if not policy.allows_model(model):
-            self.metrics.request_count(model, principal.name, "", "403").inc()
+            self.metrics.request_count(model, self.metrics.key_label(principal), "", "403").inc()
             raise GatewayError(
                 403, f"API key {principal.name!r} may not use model `{model}`.", "permission_error",
                 "model_not_allowed", "model",
@@ -118,7 +121,7 @@ class Dispatcher:
             key_id=principal.key_id,
             priority=request_tier(policy, priority, is_background),
             client_region=client_region or self.config.listener_region,
-            session_id=session_id or (body.get("user") if isinstance(body.get("user"), str) else None),
+            session_id=session_id or request.user,
             is_background=is_background,
         )
         if deadline_s is None:
@@ -128,21 +131,29 @@ class Dispatcher:
             estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
             admission = self.limiter.admit(principal, estimate)
         except GatewayError as exc:
-            self.metrics.rate_limited.labels(principal.name, exc.type).inc()
-            self.metrics.request_count(model, principal.name, "", str(exc.status)).inc()
+            key = self.metrics.key_label(principal)
+            self.metrics.rate_limited.labels(key, exc.type).inc()
+            self.metrics.request_count(model, key, "", str(exc.status)).inc()
             raise
         try:
-            return await self._forward(ctx, principal, admission, arrival, arrival + deadline_s, raw_body)
+            return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
-            self.metrics.request_count(model, principal.name, "", status).inc()
+            self.metrics.request_count(model, self.metrics.key_label(principal), "", status).inc()
             raise
 
     # --- internals -----------------------------------------------------------------------------
 
     def _select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
-        if not any(replica.healthy and replica.id not in exclude for replica in self.pool.replicas(ctx.model)):
+        """A replica with a free slot now; None to wait in the queue (for capacity, on a first attempt for
+        a replica's first successful probe, or, for an autoscaled model, for the replica the autoscaler
+        starts); 503 when no replica can serve the request. A failover retry does not wait for replicas
+        that have never answered: it reports the failure it met."""
+        usable = [replica for replica in self.pool.replicas(ctx.model) if replica.id not in exclude]
+        if not any(replica.healthy for replica in usable):
+            if not exclude and any(replica.awaiting_first_probe for replica in usable):
+                return None
             # An autoscaled model holds a first attempt in its queue while the autoscaler, which sees
             # the queue, starts a replica (activator); once one is admitted the queue wakes it.
             if self.config.models[ctx.model].autoscaling is None or exclude:
@@ -171,24 +182,24 @@ class Dispatcher:
             return raw_body
         body = {**body, "model": replica.upstream_model, "priority": priority}
         if force_usage:
+            # parse_request_body has checked that stream_options is an object or null.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return orjson.dumps(body)
 
     async def _forward(
         self,
         ctx: RequestContext,
+        request: RequestBody,
         principal: Principal,
         admission: Admission,
         arrival: float,
         deadline: float,
         raw_body: bytes | None,
     ) -> UpstreamResult:
-        stream = ctx.body.get("stream") is True
-        stream_options = ctx.body.get("stream_options")
-        client_wants_usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        stream = request.stream is True
         # Streams always ask the replica for usage (to correct the key's token count) and drop that
         # extra chunk when the client did not ask for it.
-        force_usage = stream and not client_wants_usage
+        force_usage = stream and not request.client_wants_usage
         routing_policy = self.config.models[ctx.model].routing.policy
         max_attempts = self.config.failover.max_attempts
         exclude: set[str] = set()
@@ -199,9 +210,14 @@ class Dispatcher:
                 replica = await self.queue.acquire(
                     ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude), self._hold_limit(ctx.model)
                 )
-            except GatewayError:
+            except GatewayError as exc:
                 if last_failure is not None:
                     break  # no other replica to fail over to: report the replica's failure
+                if exc.code == "deadline_exceeded" and not self.pool.healthy(ctx.model):
+                    raise unavailable(
+                        f"No healthy replica is available for model `{ctx.model}`: none became healthy "
+                        "before the request's deadline."
+                    ) from None
                 raise
             route = ctx.extra.get("route")
             reason = route.reason if route is not None else ""
@@ -282,14 +298,15 @@ class Dispatcher:
         if result.stream and outcome == "error" and result.failure is not None:
             self.pool.mark_failure(replica, result.failure.reason, eject_now=result.failure.eject_now)
         self.pool.release(replica)
+        key = self.metrics.key_label(principal)
         prompt = completion = 0
         if usage is not None:
             prompt = int(usage.get("prompt_tokens") or 0)
             completion = int(usage.get("completion_tokens") or 0)
-            self.metrics.tokens_for(principal.name, "prompt").inc(prompt)
-            self.metrics.tokens_for(principal.name, "completion").inc(completion)
+            self.metrics.tokens_for(key, "prompt").inc(prompt)
+            self.metrics.tokens_for(key, "completion").inc(completion)
         self.usage.record(principal.key_id, prompt, completion)
         self.limiter.settle(admission, None if usage is None else prompt + completion)
         status = str(result.status) if outcome == "ok" else f"stream_{outcome}"
-        self.metrics.request_count(ctx.model, principal.name, replica.id, status).inc()
+        self.metrics.request_count(ctx.model, key, replica.id, status).inc()
         self.metrics.e2e_for(ctx.model).observe(time.monotonic() - arrival)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import orjson
@@ -22,6 +22,9 @@ from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.keys import Principal
 from ember.gateway.proto.ember.v1 import inference_pb2 as pb
 from ember.gateway.proto.ember.v1 import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ember.gateway.extensions import GatewayServices
 
 logger = logging.getLogger("ember.gateway.grpc")
 
@@ -110,7 +113,7 @@ def upstream_error(status: int, payload: Any) -> GatewayError:
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    def __init__(self, dispatcher: Any) -> None:
+    def __init__(self, dispatcher: GatewayServices) -> None:
         self.dispatcher = dispatcher
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: GatewayError) -> None:
@@ -214,7 +217,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 class GrpcExtension:
     """Starts and stops the gRPC listener with the gateway (it has no HTTP routes)."""
 
-    def __init__(self, dispatcher: Any, host: str, port: int) -> None:
+    def __init__(self, dispatcher: GatewayServices, host: str, port: int) -> None:
         self.dispatcher = dispatcher
         self.host = host
         self.port = port

@@ -1,6 +1,7 @@
-"""Active health probes: GET <replica><health.path> for every replica every `health.interval_s`
-(the first round at start). A 2xx answer within `health.timeout_s` is a success; anything else
-(refused, reset, timeout, 5xx such as a server still loading its model) is a failure.
+"""Active health probes: GET <replica><health.path> for every replica every `health.interval_s`.
+A 2xx answer within `health.timeout_s` is a success; anything else (refused, reset, timeout, 5xx such
+as a server still loading its model) is a failure. Replicas start un-admitted: the first success
+admits one, and the gateway starts serving only after a first round of probes. Then
 `unhealthy_threshold` failures in a row eject a replica and `healthy_threshold` successes in a row
 re-admit it (ReplicaPool keeps the counts, shared with the proxy's passive failures)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
+import httpx
 
 from ember.gateway.config import HealthConfig
 from ember.gateway.periodic import PeriodicTask
@@ -24,11 +25,13 @@ class HealthProber:
         self.pool = pool
         self.client = client
         self.config = config
-        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._task = PeriodicTask("ember-gateway-health", config.interval_s, self.probe_all)
 
     async def start(self) -> None:
-        await self._task.start()
+        """One round of probes, so replicas already up are admitted before the first request, then one
+        every interval."""
+        await self.probe_all()
+        await self._task.start(first_round_after_s=self.config.interval_s)
 
     async def stop(self) -> None:
         await self._task.stop()
@@ -40,11 +43,12 @@ class HealthProber:
         """One probe; reports the outcome to the pool and returns whether it succeeded."""
         failure = None
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
-                await response.read()
-                if not 200 <= response.status < 300:
-                    failure = f"HTTP {response.status}"
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            response = await self.client.side.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self.config.timeout_s
+            )
+            if not 200 <= response.status_code < 300:
+                failure = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
             failure = type(exc).__name__
         was_healthy = replica.healthy
         if failure is None:
@@ -53,7 +57,7 @@ class HealthProber:
             self.pool.mark_failure(replica, "health_probe")
         if replica.healthy != was_healthy:
             if replica.healthy:
-                logger.info("replica %s re-admitted: health probe passed", replica.id)
+                logger.info("replica %s admitted: health probe passed", replica.id)
             else:
                 logger.warning("replica %s ejected: health probe failed (%s)", replica.id, failure)
         return failure is None

@@ -30,11 +30,11 @@ class ConnectTimeout(ConnectionError):
 
 
 class _Origin:
-    """Where one replica lives, with its request-line prefix prebuilt."""
+    """Where one replica lives and the key it wants, with the request's fixed parts prebuilt."""
 
-    __slots__ = ("host", "port", "ssl", "path_prefix", "host_header", "idle")
+    __slots__ = ("host", "port", "ssl", "path_prefix", "host_header", "auth_line", "idle")
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None):
         parts = urlsplit(base_url)
         self.host = parts.hostname or "127.0.0.1"
         secure = parts.scheme == "https"
@@ -42,6 +42,7 @@ class _Origin:
         self.ssl = ssl.create_default_context() if secure else None
         self.path_prefix = parts.path.rstrip("/").encode()
         self.host_header = (parts.netloc or self.host).encode()
+        self.auth_line = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         self.idle: collections.deque[_Connection] = collections.deque()
 
 
@@ -241,16 +242,17 @@ class HttpClient:
     def __init__(self, connect_s: float, read_s: float):
         self.connect_s = connect_s
         self.read_s = read_s
-        self._origins: dict[str, _Origin] = {}
+        self._origins: dict[tuple[str, str | None], _Origin] = {}
 
-    async def post_json(self, base_url: str, path: bytes, body: bytes) -> UpstreamResponse:
-        """POST `body` to base_url + path; returns once the response headers arrived."""
-        origin = self._origins.get(base_url)
+    async def post_json(self, base_url: str, path: bytes, body: bytes, api_key: str | None = None) -> UpstreamResponse:
+        """POST `body` to base_url + path (with `Authorization: Bearer <api_key>` when given); returns
+        once the response headers arrived."""
+        origin = self._origins.get((base_url, api_key))
         if origin is None:
-            origin = self._origins[base_url] = _Origin(base_url)
+            origin = self._origins[base_url, api_key] = _Origin(base_url, api_key)
         request = b"".join((
-            b"POST ", origin.path_prefix, path, b" HTTP/1.1\r\nHost: ", origin.host_header,
-            b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
+            b"POST ", origin.path_prefix, path, b" HTTP/1.1\r\nHost: ", origin.host_header, b"\r\n",
+            origin.auth_line, b"Content-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
             b"\r\n\r\n", body,
         ))  # fmt: skip
         while True:

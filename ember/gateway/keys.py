@@ -22,8 +22,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ember.errors import EmberError
-from ember.gateway.config import GatewayConfig, KeyPolicy, validation_message
+from ember.gateway.config import GatewayConfig, KeyEndpoint, KeyPolicy, validation_message
 from ember.gateway.errors import GatewayError
+from ember.http_rules import parse_bearer
 
 KEY_PREFIX = "sk-ember-"
 DISPLAY_CHARS = 12
@@ -196,14 +197,16 @@ class KeyStore:
         return StoredKey(row[0], row[1], row[2], policy, row[4], row[5])
 
 
-def parse_bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        return None
-    return token
+def require_endpoint(principal: Principal, endpoint: KeyEndpoint) -> None:
+    """A 403 unless the key's `endpoints` scope includes `endpoint`."""
+    if not principal.policy.allows_endpoint(endpoint):
+        raise GatewayError(
+            403,
+            f"API key {principal.name!r} may not use the {endpoint} endpoint; it may use: "
+            f"{', '.join(principal.policy.endpoints)}.",
+            "permission_error",
+            "endpoint_not_allowed",
+        )
 
 
 class KeyRing:
@@ -236,6 +239,13 @@ class KeyRing:
         if principal is None:
             raise GatewayError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
         return principal
+
+    def find(self, authorization: str | None) -> Principal | None:
+        """The key's principal, or None for a missing or unknown key."""
+        try:
+            return self.authenticate(authorization)
+        except GatewayError:
+            return None
 
     def is_admin(self, authorization: str | None) -> bool:
         token = parse_bearer(authorization)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ember.gateway.keys import Principal
 from ember.gateway.replicas import ReplicaPool
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -25,7 +26,9 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["model", "replica", "deployment", "region"]
-        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 if the replica is admitted, 0 if ejected", labels=labels)
+        healthy = GaugeMetricFamily(
+            PREFIX + "replica_healthy", "1 if the replica is admitted, 0 if ejected or not yet admitted", labels=labels
+        )
         outstanding = GaugeMetricFamily(
             PREFIX + "replica_outstanding", "Requests the gateway has in flight on the replica", labels=labels
         )
@@ -45,7 +48,10 @@ def cached_labels(metric):
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, key_labels: str = "name") -> None:
+        """`key_labels` (config `metrics.key_labels`): what per-key series carry in their `key`
+        label, the key's name, its id, or "" (one series for all keys)."""
+        self.key_labels = key_labels
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -88,6 +94,11 @@ class GatewayMetrics:
         self.e2e_for = cached_labels(self.e2e)
         self.routing_for = cached_labels(self.routing_decisions)
         self.tokens_for = cached_labels(self.tokens)
+
+    def key_label(self, principal: Principal) -> str:
+        if self.key_labels == "name":
+            return principal.name
+        return principal.key_id if self.key_labels == "id" else ""
 
     def watch_pool(self, pool: ReplicaPool) -> None:
         self.registry.register(_PoolCollector(pool))

@@ -1,5 +1,6 @@
-"""A background asyncio task that runs one round of work now and then every `interval_s`, for the
-gateway's health prober and metrics scraper (started/stopped by the gateway's lifespan)."""
+"""A background asyncio task that runs one round of work (at once, or after a first delay) and then
+every `interval_s`, for the gateway's health prober and metrics scraper (started/stopped by the
+gateway's lifespan)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ class PeriodicTask:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def start(self) -> None:
+    async def start(self, first_round_after_s: float = 0.0) -> None:
         if not self.running:
-            self._task = asyncio.create_task(self._loop(), name=self.name)
+            self._task = asyncio.create_task(self._loop(first_round_after_s), name=self.name)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -33,8 +34,9 @@ class PeriodicTask:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _loop(self) -> None:
+    async def _loop(self, first_round_after_s: float) -> None:
         loop = asyncio.get_running_loop()
+        await asyncio.sleep(first_round_after_s)
         while True:
             started = loop.time()
             try:

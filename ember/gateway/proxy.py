@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-import aiohttp
+import httpx
 import orjson
 
 from ember.gateway.config import TimeoutsConfig
 from ember.gateway.http_client import ConnectTimeout, HttpClient, UpstreamResponse
 from ember.gateway.replicas import Replica
+from ember.side_client import side_client
+from ember.sse import DONE_DATA
 
-DONE = b"[DONE]"
 ENDPOINT_PATHS = {"chat/completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
 
 
@@ -50,43 +51,33 @@ def classify(exc: BaseException) -> UpstreamFailure:
 
 
 class UpstreamClient:
-    """Long-lived connection pools to all replicas: the lean HttpClient for proxied requests, an
-    aiohttp session for the low-rate side traffic (health probes, metrics scrapes)."""
+    """Long-lived connection pools to all replicas: the lean HttpClient for proxied requests, the
+    side client (ember/side_client.py) for the low-rate side traffic (health probes, metrics scrapes)."""
 
     def __init__(self, timeouts: TimeoutsConfig):
         self.timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
+        self._side: httpx.AsyncClient | None = None
         self._http = HttpClient(timeouts.connect_s, timeouts.read_s)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.read_s
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            json_serialize=lambda obj: orjson.dumps(obj).decode(),
-        )
+        self._side = side_client(self.timeouts.read_s, connect_s=self.timeouts.connect_s)
 
     async def close(self) -> None:
         self._http.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._side is not None:
+            await self._side.aclose()
+            self._side = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def side(self) -> httpx.AsyncClient:
+        if self._side is None:
             raise RuntimeError("UpstreamClient.start() was not awaited")
-        return self._session
+        return self._side
 
     async def post(self, replica: Replica, endpoint: str, body: bytes) -> UpstreamResponse:
         """Send the request; response headers received. Raises UpstreamFailure."""
         try:
-            return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body)
+            return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body, replica.api_key)
         except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
 
@@ -174,7 +165,7 @@ class UpstreamResult:
         try:
             pending, self._pending = self._pending, []
             for payload in pending:
-                if payload == DONE:
+                if payload == DONE_DATA:
                     outcome = "ok"
                     return
                 if self._keep(payload):
@@ -194,7 +185,7 @@ class UpstreamResult:
                     yield stream_error_payload("The replica closed the stream before it was complete.")
                     return
                 for payload in self._parser.feed(chunk):
-                    if payload == DONE:
+                    if payload == DONE_DATA:
                         outcome = "ok"
                         return
                     if self._keep(payload):

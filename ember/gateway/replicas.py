@@ -14,7 +14,7 @@ from typing import Literal
 
 from ember.gateway.config import GatewayConfig
 
-PoolEvent = Literal["eject", "readmit", "release", "remove"]
+PoolEvent = Literal["admit", "eject", "readmit", "release", "remove"]
 PoolListener = Callable[[PoolEvent, "Replica"], None]
 
 
@@ -42,13 +42,21 @@ class Replica:
     region: str | None
     labels: dict[str, str]
     capacity: int
+    api_key: str | None = field(default=None, repr=False)  # the replica's own key, never a client's
     healthy: bool = True
+    # Configured replicas start un-admitted (healthy False) until their first successful probe.
+    awaiting_first_probe: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     ejected_at: float | None = None
     ejection_reason: str | None = None
     metrics: ReplicaMetrics = field(default_factory=ReplicaMetrics)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers of every request to the replica (proxied, probes, scrapes)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def has_capacity(self) -> bool:
@@ -92,6 +100,9 @@ class ReplicaPool:
                             region=replica.region,
                             labels=dict(replica.labels),
                             capacity=replica.capacity,
+                            api_key=replica.replica_api_key or deployment.replica_api_key,
+                            healthy=False,
+                            awaiting_first_probe=True,
                         )
                     )
         return cls(replicas, config.health.unhealthy_threshold, config.health.healthy_threshold)
@@ -108,9 +119,6 @@ class ReplicaPool:
     def healthy(self, model: str) -> list[Replica]:
         return [replica for replica in self._by_model.get(model, []) if replica.healthy]
 
-    def with_capacity(self, model: str) -> list[Replica]:
-        return [replica for replica in self._by_model.get(model, []) if replica.has_capacity]
-
     def get(self, replica_id: str) -> Replica | None:
         return self._by_id.get(replica_id)
 
@@ -125,7 +133,7 @@ class ReplicaPool:
     def add(self, replica: Replica) -> None:
         """A new replica, ejected until its first successful health probe admits it."""
         replica.healthy = False
-        replica.ejection_reason = "awaiting_first_probe"
+        replica.awaiting_first_probe = True
         self._by_model.setdefault(replica.model, []).append(replica)
         self._by_id[replica.id] = replica
 
@@ -154,15 +162,21 @@ class ReplicaPool:
     # --- health --------------------------------------------------------------------------------
 
     def mark_success(self, replica: Replica) -> None:
-        """A probe or request succeeded; re-admits an ejected replica after `healthy_threshold` in a row."""
+        """A probe or request succeeded; admits a replica at its first success and re-admits an ejected
+        one after `healthy_threshold` in a row."""
         replica.consecutive_failures = 0
         replica.consecutive_successes += 1
-        if not replica.healthy and replica.consecutive_successes >= self.healthy_threshold:
+        if replica.awaiting_first_probe:
+            replica.awaiting_first_probe = False
+            replica.healthy = True
+            self._notify("admit", replica)
+        elif not replica.healthy and replica.consecutive_successes >= self.healthy_threshold:
             self.readmit(replica)
 
     def mark_failure(self, replica: Replica, reason: str, *, eject_now: bool = False) -> None:
         """A probe or request failed; ejects after `unhealthy_threshold` in a row, or at once when the
-        failure proves the replica unreachable (connection refused/reset: passive ejection)."""
+        failure proves the replica unreachable (connection refused/reset: passive ejection). A replica
+        not yet admitted stays so (still loading, or never there: not an ejection)."""
         replica.consecutive_successes = 0
         replica.consecutive_failures += 1
         if replica.healthy and (eject_now or replica.consecutive_failures >= self.unhealthy_threshold):

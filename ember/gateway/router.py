@@ -21,10 +21,10 @@ import random
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ember.gateway.config import GatewayConfig, GatewayConfigError
+from ember.gateway.config import GatewayConfig
 from ember.gateway.replicas import PoolEvent, Replica, ReplicaPool
 from ember.gateway.request_context import RequestContext
-from ember.gateway.routing import POLICIES, PolicyOptionsError, RoutingPolicy
+from ember.gateway.routing import POLICIES, RoutingPolicy, validate_routing
 from ember.gateway.routing.canary import CanarySplitter
 from ember.gateway.routing.region import RegionSelector
 
@@ -42,16 +42,14 @@ class RouteDecision:
 
 class Router:
     def __init__(self, config: GatewayConfig, pool: ReplicaPool, rng: random.Random | None = None):
+        validate_routing(config)  # GatewayConfigError naming the model, before any policy is built
         self.pool = pool
         rng = rng or random.Random()
         self._policies: dict[str, RoutingPolicy] = {}
         self._region_aware: dict[str, bool] = {}
         for name, model in config.models.items():
             policy_class = POLICIES[model.routing.policy]
-            try:
-                self._policies[name] = policy_class(model.routing.options, random.Random(rng.random()))
-            except PolicyOptionsError as exc:
-                raise GatewayConfigError(f"models.{name}.routing.options: {exc}") from None
+            self._policies[name] = policy_class(model.routing.options, random.Random(rng.random()))
             self._region_aware[name] = model.routing.region_aware
         self._canary = CanarySplitter(random.Random(rng.random()))
         self._regions = RegionSelector(config)

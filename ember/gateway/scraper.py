@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.gateway.config import ScrapeConfig
@@ -60,7 +60,6 @@ class MetricsScraper:
         self.pool = pool
         self.client = client
         self.config = config
-        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._task = PeriodicTask("ember-gateway-scraper", config.interval_s, self.scrape_all)
 
     async def start(self) -> None:
@@ -78,10 +77,12 @@ class MetricsScraper:
     async def scrape(self, replica: Replica) -> bool:
         """One scrape into `replica.metrics`; returns whether it succeeded."""
         try:
-            async with self.client.session.get(replica.url + self.config.path, timeout=self._timeout) as response:
-                text = await response.text()
-                ok = response.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+            response = await self.client.side.get(
+                replica.url + self.config.path, headers=replica.auth_headers, timeout=self.config.timeout_s
+            )
+            text = response.text
+            ok = response.status_code == 200
+        except httpx.HTTPError:
             ok = False
         snapshot = None
         if ok:

@@ -13,31 +13,46 @@ Server frames:
      "headers": {"retry-after": "2", ...}}                                  headers only when there are any
 
 Every request goes through the dispatcher (keys, limits, queue, routing) as a stream with usage.
-A malformed frame or a failed request gets an error frame; the socket stays open.
+A malformed frame, a frame over `limits.max_body_bytes` (status 413) or a failed request gets an error
+frame; the socket stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.keys import Principal
+from ember.gateway.request_body import parse_json_object
+
+if TYPE_CHECKING:
+    from ember.gateway.extensions import GatewayServices
 
 REQUEST_TYPES = {"chat.completions": "chat/completions", "completions": "completions"}
 MAX_IN_FLIGHT = 64
 
 
+def frame_size(raw: str | bytes) -> int:
+    """The frame's size in bytes (text frames travel as UTF-8)."""
+    return len(raw) if isinstance(raw, bytes) or raw.isascii() else len(raw.encode())
+
+
+def frame_too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"The frame is larger than {limit} bytes (limits.max_body_bytes).", code="request_too_large")
+
+
 class WebSocketSession:
-    def __init__(self, websocket: WebSocket, dispatcher: Any) -> None:
+    def __init__(self, websocket: WebSocket, dispatcher: GatewayServices) -> None:
         self.websocket = websocket
         self.dispatcher = dispatcher
         self.principal: Principal | None = None
         self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.max_frame_bytes = dispatcher.config.limits.max_body_bytes
         self._send_lock = asyncio.Lock()
 
     async def send(self, frame: dict[str, Any]) -> None:
@@ -67,6 +82,10 @@ class WebSocketSession:
                 raw = message.get("text")
                 if raw is None:
                     raw = message.get("bytes") or b""
+                if frame_size(raw) > self.max_frame_bytes:
+                    # Held to the HTTP body limit; the frame is not parsed, so the error carries no id.
+                    await self.send_error(None, frame_too_large(self.max_frame_bytes))
+                    continue
                 await self.handle(raw)
         except WebSocketDisconnect:
             return
@@ -78,14 +97,10 @@ class WebSocketSession:
 
     async def handle(self, raw: str | bytes) -> None:
         try:
-            frame = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            await self.send_error(
-                None, bad_request(f"The frame is not valid JSON: {exc}", code="invalid_frame")
-            )
-            return
-        if not isinstance(frame, dict):
-            await self.send_error(None, bad_request("A frame must be a JSON object.", code="invalid_frame"))
+            frame = parse_json_object(raw, "A frame")
+        except GatewayError as exc:
+            exc.code = "invalid_frame"
+            await self.send_error(None, exc)
             return
         request_id = frame.get("id")
         kind = frame.get("type")
@@ -96,7 +111,7 @@ class WebSocketSession:
                     raise bad_request("An auth frame needs 'api_key'.", param="api_key", code="invalid_frame")
                 self.principal = self.dispatcher.authenticate(f"Bearer {api_key}")
                 await self.send({"type": "auth.ok"})
-            elif kind in REQUEST_TYPES:
+            elif isinstance(kind, str) and kind in REQUEST_TYPES:  # a list or object type is unhashable
                 self.start_request(request_id, REQUEST_TYPES[kind], frame)
             elif kind == "cancel":
                 task = self.in_flight.get(request_id) if isinstance(request_id, str) else None
@@ -205,7 +220,7 @@ class WebSocketSession:
 class WebSocketExtension:
     """Mounts /v1/ws on the gateway; sockets live and die with their connections."""
 
-    def __init__(self, dispatcher: Any) -> None:
+    def __init__(self, dispatcher: GatewayServices) -> None:
         self.dispatcher = dispatcher
         self.router = APIRouter()
         self.router.add_api_websocket_route("/v1/ws", self.endpoint)

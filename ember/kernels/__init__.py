@@ -4,3 +4,6 @@ A kernel is one C file next to this module, built once per (source, shape consta
 system's C compiler (-O3 -march=native -fopenmp) into the user cache, and called through ctypes on torch
 tensors' memory. Building at run time keeps the package pure Python and lets the compiler target the exact
 CPU; where no compiler or no suitable CPU exists, callers fall back to their PyTorch path."""
+
+# --kernels values; here rather than in native.py so that building the CLI parser does not import torch.
+KERNEL_CHOICES = ("auto", "native", "torch")

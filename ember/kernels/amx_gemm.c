@@ -1,7 +1,7 @@
 // y = x W^T (+ bias), bfloat16, AMX tiles: every Linear where the CPU has AMX (decode and prefill).
 //
 // A decode step's Linear layers are a pass over their weights: memory-bound. oneDNN's AMX GEMM, even on
-// pre-packed weights, streams them at ~17 GB/s here for batches of 8-32 rows, while the machine reads 24;
+// pre-packed weights, streams them well below the memory bandwidth for batches of 8-32 rows;
 // at prefill sizes both are compute-bound, and in the engine this kernel is still the faster one.
 // This kernel reads the weights once, in the order they are stored (the same VNNI re-layout as
 // small_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
@@ -18,7 +18,7 @@
 #include "bf16_simd.h"
 
 // How far ahead of the B tiles being multiplied their stream is requested into L2 (bytes). Spread over the
-// loop (one 1 KB tile's lines per tile used), so the requests overlap the tile arithmetic: ~7% at 32 rows.
+// loop (one 1 KB tile's lines per tile used), so the requests overlap the tile arithmetic.
 #define PREFETCH_BYTES 4096
 #define GROUP_ROWS 32  // rows of x per pass: two A tiles
 #define TILE_ROWS 16
@@ -83,7 +83,7 @@ static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, 
             _mm_prefetch((const char *)(w1 + kk * 16) + PREFETCH_BYTES + line, _MM_HINT_T1);
         }
         // x's tiles as a stream (TILELOADDT1): they would otherwise evict the pair's weights from L1, which
-        // every group of rows reuses; 1.2-1.4x at prefill sizes.
+        // every group of rows reuses (a gain at prefill sizes).
         _tile_stream_loadd(0, x + kk, x_bytes);
         _tile_loadd(2, w0 + kk * 16, 64);
         _tile_loadd(3, w1 + kk * 16, 64);

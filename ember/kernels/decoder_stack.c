@@ -2,7 +2,7 @@
 // call and one OpenMP parallel region: CPU's answer to replaying a CUDA graph.
 //
 // Run op by op, a step crosses from Python into C ~9 times per layer and opens as many parallel regions:
-// ~3-4 ms of interpreter, ctypes and thread wake-ups per step for SmolLM2, whatever the batch. Here the same
+// milliseconds of interpreter, ctypes and thread wake-ups per step for SmolLM2, whatever the batch. Here the same
 // kernels (the files included below, unchanged, so results are bit-identical to the op-by-op path) run back
 // to back, their work shared among the region's threads and separated by barriers.
 //

@@ -109,7 +109,7 @@ void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_si
 
 // out[row] = the index of the row's largest bfloat16 value, the first one on ties (torch.max(dim=-1).indices
 // on the float32 upcast; -0 ties +0). One pass finds the maximum, a second its first index: the row is still
-// in cache. torch's own reduction over bfloat16 runs at ~5 GB/s.
+// in cache. torch's own reduction over bfloat16 is far slower (docs/benchmarks.md).
 static inline float bf16_to_float(uint16_t value) {
     const uint32_t bits = (uint32_t)value << 16;
     float result;

@@ -27,13 +27,11 @@ from ember.kernels.build import KernelBuildError, load_kernel
 
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "native", "torch")
-
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ANY_ROWS = sys.maxsize
 # kernel name -> (library, the most rows it is used for, the multiple of K it needs). amx_gemm.c takes every
 # Linear: in the engine it beats oneDNN's GEMM on pre-packed weights from 1 row (decode steps) to 1024
-# (prefill steps: 3,800 vs 3,100 prompt tok/s at 256-token steps, 4,700 vs 4,300 at 1024). small_gemm.c holds
+# (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
 

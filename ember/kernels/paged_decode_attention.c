@@ -84,7 +84,7 @@ static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride
             // The next tile's rows are scattered over blocks: the loop below requests them into L2 while it
             // computes this tile, one row's K and V of the head at hand per key. Spread like this, the
             // requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until
-            // the line-fill buffers drained, and the kernel ran ~15% slower. Without any, it waits on loads.
+            // the line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads.
             const int64_t next_valid = context - start - TILE < TILE ? context - start - TILE : TILE;
             const uint16_t *next[TILE];
             if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + TILE, next_valid, next);

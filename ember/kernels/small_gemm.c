@@ -2,7 +2,7 @@
 // without AMX (amx_gemm.c takes its place where the CPU has AMX, and is faster there from 1 row).
 //
 // With a handful of rows a Linear is a pass over its weights: memory-bound, and oneDNN's blocked GEMM
-// streams them at ~17 GB/s here. This kernel reads the weights once, in the order they are stored, with the
+// streams them well below the memory bandwidth. This kernel reads the weights once, in the order they are stored, with the
 // rows of x held in registers: the weights are re-laid out at load time ("VNNI" pairs) as
 // [N / 16][K / 2][16][2], so one 64-byte load holds two consecutive k of 16 outputs and one vdpbf16ps
 // multiplies them by a broadcast (x[k], x[k + 1]) pair into 16 float32 accumulators. No horizontal sums.
@@ -13,8 +13,7 @@
 
 #include "bf16_simd.h"
 
-// Past 4 rows the vdpbf16ps work outgrows the weight stream and oneDNN wins (measured on Sapphire Rapids,
-// where oneDNN has AMX: decode step at batch 4 23.8 vs 25.1 ms, at batch 8 33 vs 25.5 ms).
+// Past 4 rows the vdpbf16ps work outgrows the weight stream and oneDNN wins (docs/benchmarks.md).
 #define MAX_ROWS 4
 
 int small_gemm_supported(void) {

@@ -27,7 +27,7 @@ from torch import nn
 from ember.kernels.native import NativeKernels
 
 # Padded K/V slots one group gathers. Bounded so the gathered batch stays in cache for SDPA and never needs
-# fresh (page-faulting) memory: one big gather of 64 sequences x 768 tokens costs ~2.5x more per slot.
+# fresh (page-faulting) memory: one big gather of many sequences costs more per slot (docs/benchmarks.md).
 MAX_GROUP_KV_SLOTS = 8192
 
 

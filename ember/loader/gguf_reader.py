@@ -15,7 +15,7 @@ class _GGUFReader(GGUFReader):
     """GGUFReader over a plain ndarray view of its memory map.
 
     The reader slices its buffer once per metadata string (~100k for a BPE vocabulary); slicing an
-    np.memmap runs Python-level hooks each time, which makes parsing 2-3x slower than on an ndarray."""
+    np.memmap runs Python-level hooks each time, which makes parsing several times slower than on an ndarray."""
 
     @property
     def data(self) -> np.ndarray:

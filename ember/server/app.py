@@ -16,7 +16,7 @@ from ember.server.admission import AdmissionController
 from ember.server.errors import APIError, install_error_handlers
 from ember.server.lifecycle import DrainGate, Lifecycle
 from ember.server.metrics import ServerMetrics
-from ember.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit
+from ember.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit, JSONContentType
 from ember.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +33,7 @@ from ember.server.serving_completions import CompletionsServing
 from ember.server.settings import ServerSettings
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+JSON_POST_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -79,9 +80,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [
-            ModelCard(
-                id=name, created=created, root=str(engine.engine.source), max_model_len=engine.max_model_len
-            )
+            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len)
             for name in settings.served_model_names
         ]
         return json_response(ModelList(data=cards))
@@ -103,8 +102,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         chat.served_model(body.model)
-        if body.tokens:
-            chat.check_prompt_tokens(body.tokens, "tokens")
+        engine.check_token_ids(body.tokens, "tokens")
         return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
     @app.get("/health")
@@ -132,7 +130,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # Added innermost first: AccessLog ends up outermost, so it sees every status (413, 401, 503 too).
     app.add_middleware(DrainGate, lifecycle=lifecycle, paths=GENERATION_PATHS)
     if settings.api_key:
-        app.add_middleware(APIKeyAuth, api_key=settings.api_key)
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key, protect_metrics=settings.metrics_require_auth)
+    app.add_middleware(JSONContentType, paths=JSON_POST_PATHS)  # as the gateway: 415 before 401
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(AccessLog)
     return app

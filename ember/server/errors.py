@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from ember.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+
 logger = logging.getLogger("ember.server")
 
 ERROR_TYPES = {
@@ -75,6 +77,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def engine_error(exc: EngineError) -> APIError:
+    """The one mapping of the engine's typed errors: a refused request is a 400 naming its field, a dead
+    engine a 503, a failed request a 500."""
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    return APIError(500, f"The engine failed this request: {exc}", code="engine_error")
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if any(err.get("type") == "json_invalid" for err in errors):
@@ -86,7 +98,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     for err in errors:
         path = _field_path(err.get("loc", ()))
         param = param or (path.split(".", 1)[0] if path else None)
-        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        message = (
+            "must be a finite number"
+            if err.get("type") == "finite_number"
+            else str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        )
         line = f"{path}: {message}" if path else message
         if line not in messages:
             messages.append(line)
@@ -115,6 +131,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
+    async def on_engine_error(_: Request, exc: EngineError) -> Response:
+        return engine_error(exc).response()
+
     async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
         # vLLM answers 400 (not FastAPI's 422) for a body that does not validate; so do we.
         return _validation_error(exc).response()
@@ -128,6 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "Internal server error; see the server log", code="internal_error").response()
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(EngineError, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)

@@ -195,6 +195,10 @@ class ServerMetrics:
         self.params_n.observe(n)
         self._success.labels(self.model_name, finish_reason).inc()
 
+    def count_aborted(self) -> None:
+        """An engine request aborted because its client went away: vLLM's finished_reason="abort"."""
+        self._success.labels(self.model_name, "abort").inc()
+
     def count_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
 

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware around every request: access log, request-body size limit, API key.
+"""Pure ASGI middleware around every request: access log, request-body size limit, API key, JSON
+Content-Type.
 
 Pure ASGI (not BaseHTTPMiddleware) so a streamed response's chunks pass through without extra tasks."""
 
@@ -13,6 +14,13 @@ import orjson
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember.http_rules import (
+    UNSUPPORTED_MEDIA_TYPE,
+    UNSUPPORTED_MEDIA_TYPE_CODE,
+    is_json_content_type,
+    parse_bearer,
+    unsupported_media_type_message,
+)
 from ember.server.errors import APIError
 
 access_logger = logging.getLogger("ember.access")
@@ -131,17 +139,19 @@ class BodySizeLimit:
 
 
 class APIKeyAuth:
-    """Requires `Authorization: Bearer <key>` on the API paths; compared in constant time."""
+    """Requires `Authorization: Bearer <key>` (ember.http_rules) on the API paths, and on /metrics with
+    `protect_metrics`; compared in constant time."""
 
     PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+        self._prefixes = self.PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
-            provided = (_header(scope, b"authorization") or "").encode()
+        if scope["type"] == "http" and scope["path"].startswith(self._prefixes):
+            provided = (parse_bearer(_header(scope, b"authorization")) or "").encode()
             if not hmac.compare_digest(provided, self._expected):
                 error = APIError(
                     401,
@@ -151,6 +161,31 @@ class APIKeyAuth:
                 )
                 await error.response()(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class JSONContentType:
+    """415 for a POST to a JSON route whose Content-Type is not JSON (ember.http_rules); a body sent
+    without Content-Type is labelled JSON for the routes (FastAPI would not parse it)."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            content_type = _header(scope, b"content-type")
+            if not is_json_content_type(content_type):
+                error = APIError(
+                    UNSUPPORTED_MEDIA_TYPE,
+                    unsupported_media_type_message(content_type),
+                    code=UNSUPPORTED_MEDIA_TYPE_CODE,
+                    error_type="invalid_request_error",
+                )
+                await error.response()(scope, receive, send)
+                return
+            if content_type is None:
+                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 

@@ -28,9 +28,10 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. NaN and infinities are refused
+    (Python's json module reads them) before any range check could misreport them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -1,68 +1,59 @@
-"""What chat and text completions share: model check, context-length check, sampling parameters,
-admission, the engine stream with queue timeout and abort on exit, disconnect watching, metrics."""
+"""What chat and text completions share: the create() skeleton (model check, prompt checks, sampling
+parameters, admission, one engine stream per prompt with queue timeout and abort on exit, disconnect
+watching, metrics, then a streamed or a whole response). Each endpoint supplies only what differs: its
+prompts, its sampling fields, its chunks and its response body."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from ember import __version__
-from ember.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
-from ember.engine.detokenizer import decode_token
-from ember.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ember import __version__, sse
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.errors import EngineError
+from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.errors import ClientDisconnected
 from ember.server.admission import AdmissionController, AdmissionTicket
-from ember.server.errors import APIError, bad_request
+from ember.server.errors import APIError, bad_request, engine_error
+from ember.server.logprobs import LogprobFormatter
 from ember.server.metrics import ServerMetrics
-from ember.server.middleware import AccessRecord
-from ember.server.protocol import (
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    PromptLogprob,
-    PromptLogprobs,
-    SamplingFields,
-    TopLogprob,
-    Usage,
-)
+from ember.server.middleware import AccessRecord, access_record
+from ember.server.protocol import SamplingFields, Usage
 from ember.server.settings import ServerSettings
-from ember.server.streaming import DONE, sse_event
+from ember.server.streaming import ChunkRenderer, stream_events
 
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=SamplingFields)
 
 SYSTEM_FINGERPRINT = f"ember-{__version__}"
-# JSON has no -inf; vLLM reports this floor for tokens the model rules out.
-MIN_LOGPROB = -9999.0
 
 
-class ChunkRenderer(Protocol):
-    """How one endpoint shapes its stream's chunks; `index` is the choice index in the response."""
+@dataclass(frozen=True)
+class ResponseContext:
+    """What every chunk and response body of one API request carries."""
 
-    include_usage: bool
-
-    def preamble(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
-        """Chunks that open one prompt's choices, sent before its first output's (which is `output`)."""
-        ...
-
-    def delta(self, index: int, choice: CompletionOutput) -> bytes | None: ...
-
-    def final(self, index: int, choice: CompletionOutput) -> bytes: ...
-
-    def usage(self, usage: Usage) -> bytes: ...
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[list[int]]
 
 
-class ClientDisconnected(Exception):
-    """The client went away before the response was ready; nothing is sent back."""
+class OpenAIServing(ABC, Generic[RequestT]):
+    request_id_prefix: str  # request ids read "<prefix>-<32 hex digits>"
+    prompt_param: str  # the request field holding the prompt, named in its errors
 
-
-class OpenAIServing:
     def __init__(
         self,
         engine: AsyncEngine,
@@ -76,8 +67,84 @@ class OpenAIServing:
         self.settings = settings
         self.admission = admission
         self.metrics = metrics
+        self.logprobs = LogprobFormatter(engine.tokenizer)
         self._running: set[str] = set()  # engine request ids in flight, so a drain can abort them
-        self._token_text_cache: dict[int, str] = {}
+
+    # ---- what each endpoint defines ---------------------------------------------------------------
+
+    @abstractmethod
+    def encode_prompts(self, request: RequestT) -> list[list[int]]:
+        """The request's prompts as token ids, one engine request each."""
+
+    @abstractmethod
+    def sampling_params_for(self, request: RequestT, prompt_len: int) -> SamplingParams:
+        """The engine's parameters for one prompt of `prompt_len` tokens."""
+
+    @abstractmethod
+    def chunk_renderer(self, request: RequestT, context: ResponseContext) -> ChunkRenderer:
+        """How the streamed response's chunks look."""
+
+    @abstractmethod
+    def response(
+        self, request: RequestT, context: ResponseContext, finals: list[RequestOutput], usage: Usage
+    ) -> BaseModel:
+        """The whole response, from each prompt's final output."""
+
+    # ---- the request ------------------------------------------------------------------------------
+
+    async def create(self, request: RequestT, raw_request: Request) -> Response:
+        model = self.served_model(request.model)
+        prompt_ids = self.encode_prompts(request)
+        for ids in prompt_ids:
+            self.engine.check_prompt(ids, self.prompt_param)
+        params = [self.sampling_params_for(request, len(ids)) for ids in prompt_ids]
+        prompt_lens = [len(ids) for ids in prompt_ids]
+        ticket = self.admit(len(prompt_ids), sum(prompt_lens))
+        request_id = self.new_request_id(self.request_id_prefix)
+        record = access_record(raw_request.scope)
+        record.completion_id = request_id
+        record.prompt_tokens = sum(prompt_lens)
+        streams = [
+            self.generate(
+                ids,
+                sampling,
+                request_id if len(prompt_ids) == 1 else f"{request_id}-{i}",
+                request.priority,
+                ticket,
+            )
+            for i, (ids, sampling) in enumerate(zip(prompt_ids, params, strict=True))
+        ]
+        merged = merge_streams(streams)
+        try:
+            if request.stream:
+                first = await until_disconnected(raw_request, anext(merged))
+            else:
+                finals = await until_disconnected(raw_request, _collect(merged, len(prompt_ids)))
+        except BaseException as exc:
+            await merged.aclose()
+            ticket.release()
+            if isinstance(exc, ClientDisconnected):
+                return disconnected_response()
+            raise
+        context = ResponseContext(request_id, unix_time(), model, prompt_ids)
+        max_tokens = params[0].max_tokens
+        if request.stream:
+            body = stream_events(
+                first,
+                merged,
+                self.chunk_renderer(request, context),
+                num_prompts=len(prompt_ids),
+                n=request.n,
+                observe_itl=self.metrics.itl.observe,
+                finish=partial(
+                    self.record_finished, record, prompt_lens=prompt_lens, max_tokens=max_tokens, n=request.n
+                ),
+                abandon=partial(_record_abandoned, record),
+            )
+            return StreamingResponse(body, media_type="text/event-stream", headers=sse.HEADERS)
+        generated = [sum(len(choice.token_ids) for choice in output.outputs) for output in finals]
+        usage = self.record_finished(record, finals, generated, prompt_lens, max_tokens, request.n)
+        return json_response(self.response(request, context, finals, usage))
 
     # ---- request checks ---------------------------------------------------------------------------
 
@@ -95,25 +162,12 @@ class OpenAIServing:
             )
         return requested
 
-    def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise bad_request("The prompt is empty (it encodes to zero tokens)", param=param)
-        vocab_size = self.engine.model_config.vocab_size
-        if max(token_ids) >= vocab_size:
-            raise bad_request(
-                f"Token id {max(token_ids)} is out of range (vocabulary size {vocab_size})", param=param
-            )
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        """`requested` if prompt + completion fit the context, else 400 context_length_exceeded.
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """`requested` if prompt + completion fit the context, else 400 context_length_exceeded."""
+        OpenAI refuses a completion budget past the context where the engine clamps it to the room left,
+        so this check is the API's own; the prompt itself was checked by the engine (check_prompt)."""
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
@@ -132,34 +186,31 @@ class OpenAIServing:
         *,
         max_tokens: int,
         logprobs: int | None,
-        streaming: bool,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None,
     ) -> SamplingParams:
-        try:
-            return SamplingParams(
-                n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
-                min_p=request.min_p or 0.0,
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-                seed=request.seed,
-                stop=request.stop,
-                stop_token_ids=request.stop_token_ids,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                ignore_eos=request.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=request.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
-                output_kind="delta" if streaming else "final",
-            )
-        except ValueError as exc:  # SamplingParams names the field first in its messages
-            message = str(exc)
-            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+        """The engine's parameters for the request; out-of-range values raise the engine's
+        InvalidSamplingParamsError, answered as a 400 naming the field."""
+        return SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            output_kind="delta" if request.stream else "final",
+        )
 
     def admit(self, num_requests: int, num_prompt_tokens: int) -> AdmissionTicket:
         try:
@@ -187,6 +238,7 @@ class OpenAIServing:
         closes the engine's stream, which aborts the request there and frees its KV blocks."""
         stream = self.engine.generate(prompt_ids, params, request_id, priority=priority)
         self._running.add(request_id)
+        finished = False
         try:
             try:
                 async with asyncio.timeout(self.settings.queue_timeout):
@@ -200,15 +252,17 @@ class OpenAIServing:
                     code="queue_timeout",
                 ) from None
             ticket.started()
+            finished = output.finished
             yield output
             async for output in stream:
+                finished = output.finished
                 yield output
-        except ValueError as exc:  # the engine refused the request
-            raise bad_request(str(exc)) from None
-        except EngineRequestError as exc:
-            raise APIError(500, f"The engine failed this request: {exc}", code="engine_error") from None
-        except EngineDeadError as exc:
-            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:  # the consumer left first (the client went away): closing the stream aborts it
+                self.metrics.count_aborted()
+            raise
+        except EngineError as exc:
+            raise engine_error(exc) from None
         finally:
             self._running.discard(request_id)
             ticket.release()
@@ -222,8 +276,8 @@ class OpenAIServing:
         self,
         record: AccessRecord,
         finals: list[RequestOutput],
-        prompt_lens: list[int],
         generated: list[int],
+        prompt_lens: list[int],
         max_tokens: int,
         n: int,
     ) -> Usage:
@@ -244,141 +298,26 @@ class OpenAIServing:
         record.cached_tokens = cached
         return Usage.of(record.prompt_tokens, record.completion_tokens, cached)
 
-    async def stream_events(
-        self,
-        first: tuple[int, RequestOutput],
-        merged: AsyncIterator[tuple[int, RequestOutput]],
-        renderer: ChunkRenderer,
-        record: AccessRecord,
-        prompt_lens: list[int],
-        max_tokens: int,
-        n: int,
-    ) -> AsyncIterator[bytes]:
-        """The SSE body: the renderer's chunks for each engine output, the usage chunk, [DONE].
 
-        Engine outputs are deltas and list every choice each time; a choice already finished is skipped."""
-        num_prompts = len(prompt_lens)
-        finals: list[RequestOutput | None] = [None] * num_prompts
-        generated = [0] * num_prompts
-        last_token_time: list[float | None] = [None] * num_prompts
-        done: set[int] = set()
-        opened: set[int] = set()
-        itl = self.metrics.itl
-        item: tuple[int, RequestOutput] | None = first
-        try:
-            while item is not None:
-                prompt_index, output = item
-                if prompt_index not in opened:
-                    opened.add(prompt_index)
-                    for event in renderer.preamble(prompt_index, output):
-                        yield event
-                now = time.monotonic()
-                previous = last_token_time[prompt_index]
-                if previous is not None:
-                    itl.observe(now - previous)
-                last_token_time[prompt_index] = now
-                base = prompt_index * n
-                for choice in output.outputs:
-                    index = base + choice.index
-                    if index in done:
-                        continue
-                    generated[prompt_index] += len(choice.token_ids)
-                    if choice.finish_reason is None:
-                        event = renderer.delta(index, choice)
-                        if event is not None:
-                            yield event
-                    else:
-                        done.add(index)
-                        yield renderer.final(index, choice)
-                if output.finished:
-                    finals[prompt_index] = output
-                item = await anext(merged, None)
-            usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, n)
-            if renderer.include_usage:
-                yield renderer.usage(usage)
-            yield DONE
-        except APIError as exc:  # the status line is sent already: report in-band, as vLLM does
-            yield sse_event(exc.body())
-            yield DONE
-        finally:
-            if record.completion_tokens is None:  # ended early (client gone): log what was sent
-                record.completion_tokens = sum(generated)
-                record.finish_reason = record.finish_reason or "abort"
-            await merged.aclose()
-
-    # ---- logprobs -----------------------------------------------------------------------------------
-
-    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        return decode_token(self.tokenizer, token_id, self._token_text_cache)
-
-    def _top(self, entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
-        ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:k]
-        return [(self.token_text(tid, lp), max(lp.logprob, MIN_LOGPROB)) for tid, lp in ranked]
-
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
-        content = []
-        for token_id, entries in zip(token_ids, logprobs, strict=False):
-            sampled = entries.get(token_id)
-            text = self.token_text(token_id, sampled)
-            content.append(
-                ChatTokenLogprob(
-                    token=text,
-                    logprob=MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB),
-                    bytes=list(text.encode("utf-8")),
-                    top_logprobs=[
-                        TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-                        for t, lp in self._top(entries, k)
-                    ],
-                )
-            )
-        return ChatLogprobs(content=content)
-
-    def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
-        """vLLM's prompt_logprobs field: per prompt token (None for the first), token id -> logprob, rank and
-        text, -inf floored as everywhere in the API."""
-        if entries is None:
-            return None
-        return [
-            None if entry is None else {
-                token_id: PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
-                                        decoded_token=self.token_text(token_id, lp))
-                for token_id, lp in entry.items()
-            }
-            for entry in entries
-        ]  # fmt: skip
-
-    def completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int, text_offset: int
-    ) -> CompletionLogprobs:
-        """Completions' logprobs; an entry of None (the first prompt token with echo) has no logprob."""
-        result = CompletionLogprobs()
-        for token_id, entries in zip(token_ids, logprobs, strict=False):
-            sampled = entries.get(token_id) if entries else None
-            text = self.token_text(token_id, sampled)
-            result.tokens.append(text)
-            result.text_offset.append(text_offset)
-            text_offset += len(text)
-            if entries is None:
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
-                continue
-            result.token_logprobs.append(
-                MIN_LOGPROB if sampled is None else max(sampled.logprob, MIN_LOGPROB)
-            )
-            top = dict(self._top(entries, k))
-            if sampled is not None:  # as vLLM (and OpenAI's legacy API): the chosen token is always listed
-                top.setdefault(text, max(sampled.logprob, MIN_LOGPROB))
-            result.top_logprobs.append(top)
-        return result
+def _record_abandoned(record: AccessRecord, generated: list[int]) -> None:
+    """A stream that ended early (client gone, in-band error): log what was sent."""
+    record.completion_tokens = sum(generated)
+    record.finish_reason = record.finish_reason or "abort"
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * num_prompts
+    async for prompt_index, output in merged:
+        finals[prompt_index] = output
+    return finals
+
+
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as (stream index, item), in arrival order; a failure in any ends all."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as stream:  # closed as soon as this is (no GC wait)
+            async for item in stream:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     end = object()

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
 from ember.engine.outputs import CompletionOutput, RequestOutput
+from ember.engine.sampling_params import SamplingParams
 from ember.server.errors import bad_request
-from ember.server.middleware import access_record
+from ember.server.logprobs import LogprobFormatter
 from ember.server.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -21,20 +17,14 @@ from ember.server.protocol import (
     DeltaMessage,
     Usage,
 )
-from ember.server.serving import (
-    SYSTEM_FINGERPRINT,
-    ClientDisconnected,
-    OpenAIServing,
-    disconnected_response,
-    json_response,
-    merge_streams,
-    unix_time,
-    until_disconnected,
-)
-from ember.server.streaming import SSE_HEADERS, TEXT_MARKER, TextChunkTemplate, sse_event
+from ember.server.serving import SYSTEM_FINGERPRINT, OpenAIServing, ResponseContext
+from ember.server.streaming import TEXT_MARKER, TextChunkTemplate, sse_event
 
 
-class ChatServing(OpenAIServing):
+class ChatServing(OpenAIServing[ChatCompletionRequest]):
+    request_id_prefix = "chatcmpl"
+    prompt_param = "messages"
+
     def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         conversation = [{"role": message.role, "content": message.text()} for message in messages]
         try:
@@ -46,94 +36,73 @@ class ChatServing(OpenAIServing):
         # The template writes the special tokens (BOS, role markers) itself.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        model = self.served_model(request.model)
-        prompt_ids = self.render_prompt(request.messages, request.add_generation_prompt)
-        self.check_prompt_tokens(prompt_ids, "messages")
-        max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, "messages")
-        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(
-            request, max_tokens=max_tokens, logprobs=top_logprobs, streaming=request.stream,
-            prompt_logprobs=request.prompt_logprobs,
-        )  # fmt: skip
-        prompt_lens = [len(prompt_ids)]
-        ticket = self.admit(1, len(prompt_ids))
-        request_id = self.new_request_id("chatcmpl")
-        record = access_record(raw_request.scope)
-        record.completion_id = request_id
-        record.prompt_tokens = len(prompt_ids)
-        merged = merge_streams([self.generate(prompt_ids, params, request_id, request.priority, ticket)])
-        try:
-            if request.stream:
-                first = await until_disconnected(raw_request, anext(merged))
-            else:
-                final = await until_disconnected(raw_request, _last(merged))
-        except BaseException as exc:
-            await merged.aclose()
-            ticket.release()
-            if isinstance(exc, ClientDisconnected):
-                return disconnected_response()
-            raise
-        created = unix_time()
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            renderer = _ChatChunks(self, request_id, created, model, request.n, top_logprobs, include_usage)
-            body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    def encode_prompts(self, request: ChatCompletionRequest) -> list[list[int]]:
+        return [self.render_prompt(request.messages, request.add_generation_prompt)]
 
+    def sampling_params_for(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+        return self.sampling_params(
+            request,
+            max_tokens=self.max_tokens_for(prompt_len, request.requested_max_tokens),
+            logprobs=_top_logprobs(request),
+            prompt_logprobs=request.prompt_logprobs,
+        )
+
+    def chunk_renderer(self, request: ChatCompletionRequest, context: ResponseContext) -> _ChatChunks:
+        return _ChatChunks(self.logprobs, context, request)
+
+    def response(
+        self,
+        request: ChatCompletionRequest,
+        context: ResponseContext,
+        finals: list[RequestOutput],
+        usage: Usage,
+    ) -> ChatCompletionResponse:
+        (final,) = finals
+        top_logprobs = _top_logprobs(request)
         choices = [
             ChatCompletionChoice(
                 index=choice.index,
                 message=AssistantMessage(content=choice.text),
                 logprobs=None
                 if top_logprobs is None or choice.logprobs is None
-                else self.chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs),
+                else self.logprobs.chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
             )
             for choice in final.outputs
         ]
-        generated = [sum(len(choice.token_ids) for choice in final.outputs)]
-        usage = self.record_finished(record, [final], prompt_lens, generated, max_tokens, request.n)
-        response = ChatCompletionResponse(
-            id=request_id,
-            created=created,
-            model=model,
+        return ChatCompletionResponse(
+            id=context.request_id,
+            created=context.created,
+            model=context.model,
             system_fingerprint=SYSTEM_FINGERPRINT,
             choices=choices,
             usage=usage,
-            prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
+            prompt_logprobs=self.logprobs.prompt_logprobs(final.prompt_logprobs),
         )
-        return json_response(response)
 
 
-async def _last(merged: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
-    final = None
-    async for _, output in merged:
-        final = output
-    return final
+def _top_logprobs(request: ChatCompletionRequest) -> int | None:
+    """The engine's logprobs count: None without `logprobs`, else top_logprobs (0: only the sampled token)."""
+    return (request.top_logprobs or 0) if request.logprobs else None
 
 
 class _ChatChunks:
     """Chunks of a streamed chat completion: the role first, then content deltas, then the finish."""
 
     def __init__(
-        self,
-        serving: ChatServing,
-        request_id: str,
-        created: int,
-        model: str,
-        n: int,
-        top_logprobs: int | None,
-        include_usage: bool,
+        self, formatter: LogprobFormatter, context: ResponseContext, request: ChatCompletionRequest
     ) -> None:
-        self._serving = serving
+        self._formatter = formatter
         self._header = dict(
-            id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT
+            id=context.request_id,
+            created=context.created,
+            model=context.model,
+            system_fingerprint=SYSTEM_FINGERPRINT,
         )
-        self._n = n
-        self._top_logprobs = top_logprobs
-        self.include_usage = include_usage
+        self._n = request.n
+        self._top_logprobs = _top_logprobs(request)
+        self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
         self._templates: dict[int, TextChunkTemplate] = {}
 
     def _event(self, choice: ChatCompletionChunkChoice | None, usage: Usage | None = None) -> bytes:
@@ -172,7 +141,7 @@ class _ChatChunks:
     ) -> ChatCompletionChunkChoice:
         logprobs = None
         if self._top_logprobs is not None and choice.logprobs is not None:
-            logprobs = self._serving.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
+            logprobs = self._formatter.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
         return ChatCompletionChunkChoice(
             index=index,
             delta=DeltaMessage(content=choice.text),

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
 from ember.engine.outputs import CompletionOutput, RequestOutput
-from ember.server.middleware import access_record
+from ember.engine.sampling_params import SamplingParams
+from ember.server.logprobs import LogprobFormatter
 from ember.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -18,106 +13,63 @@ from ember.server.protocol import (
     CompletionResponseChoice,
     Usage,
 )
-from ember.server.serving import (
-    SYSTEM_FINGERPRINT,
-    ClientDisconnected,
-    OpenAIServing,
-    disconnected_response,
-    json_response,
-    merge_streams,
-    unix_time,
-    until_disconnected,
-)
-from ember.server.streaming import SSE_HEADERS, TEXT_MARKER, TextChunkTemplate, sse_event
+from ember.server.serving import SYSTEM_FINGERPRINT, OpenAIServing, ResponseContext
+from ember.server.streaming import TEXT_MARKER, TextChunkTemplate, sse_event
 
 
-class CompletionsServing(OpenAIServing):
-    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
-        model = self.served_model(request.model)
-        # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests, for one).
-        score_prompt = request.echo and request.logprobs is not None
+class CompletionsServing(OpenAIServing[CompletionRequest]):
+    request_id_prefix = "cmpl"
+    prompt_param = "prompt"
+
+    def encode_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompts = request.prompts
-        if isinstance(prompts[0], str):
-            prompt_ids = (
-                self.tokenizer.encode_batch(prompts)
-                if len(prompts) > 1
-                else [self.tokenizer.encode(prompts[0])]
-            )
-        else:
-            prompt_ids = prompts
-        for ids in prompt_ids:
-            self.check_prompt_tokens(ids, "prompt")
-        streaming = request.stream
-        params = [
-            self.sampling_params(
-                request,
-                max_tokens=self.max_tokens_for(len(ids), request.max_tokens, "prompt"),
-                logprobs=request.logprobs,
-                streaming=streaming,
-                prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None
-                else request.logprobs if score_prompt else None,
-            )
-            for ids in prompt_ids
-        ]
-        prompt_lens = [len(ids) for ids in prompt_ids]
-        ticket = self.admit(len(prompt_ids), sum(prompt_lens))
-        request_id = self.new_request_id("cmpl")
-        record = access_record(raw_request.scope)
-        record.completion_id = request_id
-        record.prompt_tokens = sum(prompt_lens)
-        streams = [
-            self.generate(
-                ids,
-                sampling,
-                request_id if len(prompt_ids) == 1 else f"{request_id}-{i}",
-                request.priority,
-                ticket,
-            )
-            for i, (ids, sampling) in enumerate(zip(prompt_ids, params, strict=True))
-        ]
-        merged = merge_streams(streams)
-        echo_texts = self._echo_texts(prompts, prompt_ids) if request.echo else None
-        max_tokens = params[0].max_tokens
-        try:
-            if streaming:
-                first = await until_disconnected(raw_request, anext(merged))
-            else:
-                finals = await until_disconnected(raw_request, _collect(merged, len(prompt_ids)))
-        except BaseException as exc:
-            await merged.aclose()
-            ticket.release()
-            if isinstance(exc, ClientDisconnected):
-                return disconnected_response()
-            raise
-        created = unix_time()
-        if streaming:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            renderer = _CompletionChunks(
-                self, request_id, created, model, request, echo_texts, prompt_ids, include_usage
-            )
-            body = self.stream_events(first, merged, renderer, record, prompt_lens, max_tokens, request.n)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        if not isinstance(prompts[0], str):
+            return prompts
+        if len(prompts) == 1:
+            return [self.tokenizer.encode(prompts[0])]
+        return self.tokenizer.encode_batch(prompts)
 
+    def sampling_params_for(self, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+        return self.sampling_params(
+            request,
+            max_tokens=self.max_tokens_for(prompt_len, request.max_tokens),
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None
+            else request.logprobs if _scores_prompt(request) else None,
+        )  # fmt: skip
+
+    def chunk_renderer(self, request: CompletionRequest, context: ResponseContext) -> _CompletionChunks:
+        echo_texts = self._echo_texts(request, context.prompt_ids)
+        return _CompletionChunks(self.logprobs, context, request, echo_texts)
+
+    def response(
+        self,
+        request: CompletionRequest,
+        context: ResponseContext,
+        finals: list[RequestOutput],
+        usage: Usage,
+    ) -> CompletionResponse:
+        echo_texts = self._echo_texts(request, context.prompt_ids)
         choices: list[CompletionResponseChoice] = []
-        generated = []
         for prompt_index, output in enumerate(finals):
-            generated.append(sum(len(choice.token_ids) for choice in output.outputs))
             prefix = echo_texts[prompt_index] if echo_texts else ""
             # Shared by the prompt's n choices: built once.
             prompt_logprobs = (
-                self.prompt_logprobs(output.prompt_logprobs) if request.prompt_logprobs is not None else None
+                self.logprobs.prompt_logprobs(output.prompt_logprobs)
+                if request.prompt_logprobs is not None
+                else None
             )
             for choice in output.outputs:
                 logprobs = None
-                if score_prompt and choice.logprobs is not None:
-                    logprobs = self.completion_logprobs(
-                        prompt_ids[prompt_index] + choice.token_ids,
+                if _scores_prompt(request) and choice.logprobs is not None:
+                    logprobs = self.logprobs.completion_logprobs(
+                        context.prompt_ids[prompt_index] + choice.token_ids,
                         output.prompt_logprobs + choice.logprobs,
                         request.logprobs,
                         0,
                     )
                 elif request.logprobs is not None and choice.logprobs is not None:
-                    logprobs = self.completion_logprobs(
+                    logprobs = self.logprobs.completion_logprobs(
                         choice.token_ids, choice.logprobs, request.logprobs, len(prefix)
                     )
                 choices.append(
@@ -130,28 +82,28 @@ class CompletionsServing(OpenAIServing):
                         prompt_logprobs=prompt_logprobs,
                     )
                 )
-        usage = self.record_finished(record, finals, prompt_lens, generated, max_tokens, request.n)
-        response = CompletionResponse(
-            id=request_id,
-            created=created,
-            model=model,
+        return CompletionResponse(
+            id=context.request_id,
+            created=context.created,
+            model=context.model,
             system_fingerprint=SYSTEM_FINGERPRINT,
             choices=choices,
             usage=usage,
         )
-        return json_response(response)
 
-    def _echo_texts(self, prompts: list[Any], prompt_ids: list[list[int]]) -> list[str]:
+    def _echo_texts(self, request: CompletionRequest, prompt_ids: list[list[int]]) -> list[str] | None:
+        """Each prompt's text as echo shows it; None without echo."""
+        if not request.echo:
+            return None
+        prompts = request.prompts
         if isinstance(prompts[0], str):
             return list(prompts)
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
 
 
-async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * num_prompts
-    async for prompt_index, output in merged:
-        finals[prompt_index] = output
-    return finals
+def _scores_prompt(request: CompletionRequest) -> bool:
+    """echo with logprobs scores the prompt too (lm-eval's loglikelihood requests, for one)."""
+    return request.echo and request.logprobs is not None
 
 
 class _CompletionChunks:
@@ -159,28 +111,27 @@ class _CompletionChunks:
 
     def __init__(
         self,
-        serving: CompletionsServing,
-        request_id: str,
-        created: int,
-        model: str,
+        formatter: LogprobFormatter,
+        context: ResponseContext,
         request: CompletionRequest,
         echo_texts: list[str] | None,
-        prompt_ids: list[list[int]],
-        include_usage: bool,
     ) -> None:
-        self._serving = serving
+        self._formatter = formatter
         self._header = dict(
-            id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT
+            id=context.request_id,
+            created=context.created,
+            model=context.model,
+            system_fingerprint=SYSTEM_FINGERPRINT,
         )
         self._n = request.n
-        num_choices = request.n * (len(echo_texts) if echo_texts else len(request.prompts))
+        num_choices = request.n * len(context.prompt_ids)
         self._logprobs = request.logprobs
         self._echo_texts = echo_texts
-        self._prompt_ids = prompt_ids
+        self._prompt_ids = context.prompt_ids
         self._text_offsets = [
             len(echo_texts[i // request.n]) if echo_texts else 0 for i in range(num_choices)
         ]
-        self.include_usage = include_usage
+        self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
         self._templates: dict[int, TextChunkTemplate] = {}
 
     def _chunk(self, choice: CompletionChoice) -> CompletionChunk:
@@ -195,7 +146,7 @@ class _CompletionChunks:
             return []
         logprobs = None
         if self._logprobs is not None and output.prompt_logprobs is not None:
-            logprobs = self._serving.completion_logprobs(
+            logprobs = self._formatter.completion_logprobs(
                 self._prompt_ids[prompt_index], output.prompt_logprobs, self._logprobs, 0
             )
         events = []
@@ -230,7 +181,7 @@ class _CompletionChunks:
     def _choice(self, index: int, choice: CompletionOutput, finish_reason: str | None) -> CompletionChoice:
         logprobs = None
         if self._logprobs is not None and choice.logprobs is not None:
-            logprobs = self._serving.completion_logprobs(
+            logprobs = self._formatter.completion_logprobs(
                 choice.token_ids, choice.logprobs, self._logprobs, self._text_offsets[index]
             )
             if logprobs.tokens:

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from ember import SamplingParams
-from ember.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.errors import EngineDeadError, EngineRequestError, InvalidRequestError, PromptTooLongError
 
 
 @pytest.fixture
@@ -116,12 +117,12 @@ async def test_event_loop_keeps_ticking_while_the_engine_works(engine):
 
 
 async def test_bad_requests_raise_before_streaming(engine):
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(PromptTooLongError, match="maximum context length"):
         async for _ in engine.generate(list(range(3, 3 + engine.max_model_len)), SamplingParams(), "big"):
             pass
     stream = engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "dup")
     await stream.__anext__()
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="already in use"):
         async for _ in engine.generate([1, 2], SamplingParams(), "dup"):
             pass
     await stream.aclose()

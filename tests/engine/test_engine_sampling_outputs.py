@@ -8,6 +8,13 @@ import pytest
 import torch
 
 from ember import SamplingParams
+from ember.engine.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    InvalidTokenIdError,
+    PromptTooLongError,
+)
 
 # float32 on both sides; the only difference is batched vs single-sequence accumulation order.
 LOGPROB_TOLERANCE = 1e-4
@@ -136,24 +143,34 @@ def test_min_tokens_and_max_model_len(make_llm, tiny_reference):
     assert late.finish_reason == "length"
 
 
-def test_bad_requests_raise_value_errors_naming_the_problem(make_llm, tiny_llm):
+def test_bad_requests_raise_typed_errors_naming_the_problem(make_llm, tiny_llm):
     engine = make_llm(max_model_len=32).engine
-    with pytest.raises(ValueError, match="max_model_len is 32"):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 32 tokens") as raised:
         engine.add_request("long", list(range(3, 40)))
-    with pytest.raises(ValueError, match="must not be empty"):
+    assert (raised.value.param, raised.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(EmptyPromptError, match="prompt is empty") as raised:
         engine.add_request("empty", [])
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("vocab", [1, 10**6])
-    with pytest.raises(ValueError, match="exceeds max_num_seqs"):
+    assert raised.value.param == "prompt"
+    vocab_size = engine.model_config.vocab_size
+    out_of_range = rf"Token id {10**6} is out of range \(vocabulary size {vocab_size}\)"
+    with pytest.raises(InvalidTokenIdError, match=out_of_range):
+        engine.add_request("vocab", [1, 10**5, 10**6])
+    with pytest.raises(InvalidTokenIdError, match="Token id -1 is out of range"):
+        engine.add_request("negative", [1, -1, 10**6])
+    with pytest.raises(InvalidRequestError, match="exceeds max_num_seqs") as raised:
         engine.add_request("n", [1, 2], SamplingParams(n=1000))
+    assert raised.value.param == "n"
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup", [1, 2])
     assert [o.outputs[0].finish_reason for o in engine.abort_request("dup")] == ["abort"]
     for field, value in [("temperature", -1), ("top_p", 0), ("top_k", -5), ("max_tokens", 0),
                          ("n", 0), ("logprobs", -1), ("min_p", 2), ("output_kind", "x")]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(InvalidSamplingParamsError, match=field) as raised:
             SamplingParams(**{field: value})
-    with pytest.raises(ValueError, match="min_tokens"):
+        assert raised.value.param == field
+    with pytest.raises(InvalidSamplingParamsError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+    # Typed errors stay ValueErrors, so callers that caught those keep working.
+    assert issubclass(InvalidRequestError, ValueError)
     assert not engine.has_unfinished_requests()

@@ -1,5 +1,5 @@
 """Sampler semantics on small hand-made logits: greedy, top-k/top-p/min-p, seeds, penalties, min_tokens,
-logprobs."""
+logprobs. The sampler reads the SamplingMetadata gathered from the sequences, as the model runner does."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ember.engine.sampler import SampledToken, Sampler
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
 
@@ -25,6 +26,10 @@ def make_seq(prompt: list[int] | None = None, output: list[int] | None = None, s
     return seq
 
 
+def metadata(seqs: list[Sequence]) -> SamplingMetadata:
+    return SamplingMetadata.from_sequences(seqs, [[] for _ in seqs], [EOS], torch.device("cpu"))
+
+
 class OneTokenPerRow:
     """The sampler on rows without draft tokens, where every sequence gains exactly one token."""
 
@@ -32,14 +37,14 @@ class OneTokenPerRow:
         self.sampler = sampler
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        out = self.sampler(logits, seqs)
+        out = self.sampler(logits, metadata(seqs))
         assert [len(tokens) for tokens in out] == [1] * len(seqs)
         return [tokens[0] for tokens in out]
 
 
 @pytest.fixture
 def sampler() -> OneTokenPerRow:
-    return OneTokenPerRow(Sampler([EOS], torch.device("cpu"), seed=0))
+    return OneTokenPerRow(Sampler(torch.device("cpu"), seed=0))
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -90,7 +95,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(sampler: O
 
 
 def test_unseeded_sampling_follows_the_softmax_distribution() -> None:
-    sampler = OneTokenPerRow(Sampler([EOS], torch.device("cpu"), seed=5))
+    sampler = OneTokenPerRow(Sampler(torch.device("cpu"), seed=5))
     base = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     rows = 4000
     out = sampler(base.expand(rows, VOCAB), [make_seq(temperature=0.5) for _ in range(rows)])
@@ -119,7 +124,7 @@ def test_top_p_min_p_and_top_k_restrict_the_candidates(sampler: OneTokenPerRow) 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits(sampler: OneTokenPerRow) -> None:
     logits = torch.tensor([[2.0, -1.0, 1.5, -1.5, 0.5, 0, 0, 0, 0, 0]])
     seq = make_seq(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0)
-    penalized = sampler.sampler._apply_penalties(logits, [seq])
+    penalized = sampler.sampler._apply_penalties(logits, metadata([seq]))
     expected = torch.tensor([[1.0, -2.0, 1.5, -1.5, 0.25, 0, 0, 0, 0, 0]])
     torch.testing.assert_close(penalized, expected)
     assert logits[0, 0] == 2.0  # the raw logits are untouched (logprobs use them)
@@ -134,7 +139,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only(sampler: OneT
         make_seq(prompt=[0, 0], output=[], frequency_penalty=1.0, presence_penalty=1.0),
         make_seq(prompt=[5], output=[2, 2, 2, 2], frequency_penalty=-0.5),
     ]
-    penalized = sampler.sampler._apply_penalties(logits.expand(3, VOCAB), seqs)
+    penalized = sampler.sampler._apply_penalties(logits.expand(3, VOCAB), metadata(seqs))
     expected = logits.expand(3, VOCAB).clone()
     expected[0, 0] = 3.0 - 2 * 0.5 - 0.25
     expected[0, 2] = 1.0 - 1 * 0.5 - 0.25

@@ -1,8 +1,13 @@
-"""Scheduler policy: decodes before prefill chunks, token budget, priority/FCFS, preemption by recompute."""
+"""Scheduler policy: decodes before prefill chunks, token budget, priority/FCFS, preemption by recompute; and
+update_from_output: accepted drafts, stop token ids, forks."""
 
 from __future__ import annotations
 
+import torch
+
 from ember.engine.block_manager import BlockManager
+from ember.engine.model_runner import ModelRunnerOutput
+from ember.engine.sampler import SampledToken
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -155,4 +160,70 @@ def test_finish_from_any_queue_frees_blocks_at_once():
     assert b.block_table == [] and c not in scheduler.waiting and b not in scheduler.running
     check(scheduler, [a, b, c])
     scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)
-    assert bm.num_free_blocks == 8 and not scheduler.has_unfinished()
+    assert bm.num_free_blocks == 8 and not scheduler.running and not scheduler.waiting
+
+
+class FixedDrafts:
+    """A proposer that always drafts the same tokens."""
+
+    def __init__(self, draft: list[int]) -> None:
+        self.draft = draft
+        self.num_speculative_tokens = len(draft)
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return self.draft[:max_tokens]
+
+
+def sampled(*token_ids: int) -> list[SampledToken]:
+    return [SampledToken(token_id, None, None, None) for token_id in token_ids]
+
+
+def test_update_from_output_appends_accepted_drafts_and_stops_at_a_stop_token_id():
+    bm = BlockManager(num_blocks=16, block_size=BLOCK)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, eos_token_ids=[99],
+                          proposer=FixedDrafts([8, 42, 9]))
+    seq = Sequence("r0", scheduler.next_seq_id(), 0, [1, 2, 3, 4, 5], SamplingParams(stop_token_ids=[42]),
+                   max_tokens=10)
+    scheduler.add(seq)
+    prefill = scheduler.schedule()
+    assert summary(prefill) == [("r0", 5, True)]
+    (update,) = scheduler.update_from_output(prefill, ModelRunnerOutput([sampled(7)], [None]))
+    assert (update.chunk_start, [t.token_id for t in update.new_tokens]) == (0, [7])
+    assert seq.token_ids == [1, 2, 3, 4, 5, 7] and seq.num_computed_tokens == 5
+    assert seq.num_committed_blocks == 1  # the prompt's one full block is in the prefix cache
+
+    decode = scheduler.schedule()
+    assert [(item.num_new_tokens, item.draft_token_ids) for item in decode.scheduled] == [(4, [8, 42, 9])]
+    # The sampler accepted all three drafts and drew 10; the stop token id 42 ends the sequence first.
+    (update,) = scheduler.update_from_output(decode, ModelRunnerOutput([sampled(8, 42, 9, 10)], [None]))
+    assert [t.token_id for t in update.new_tokens] == [8, 42]
+    assert seq.token_ids == [1, 2, 3, 4, 5, 7, 8, 42]
+    assert (seq.status, seq.stop_reason) == (SequenceStatus.FINISHED_STOPPED, 42)
+    assert seq.num_computed_tokens == 7 and seq.block_table == [] and not scheduler.running
+    stats = scheduler.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 3)
+    assert stats.accepted_per_position == [1, 1, 1]
+    check(scheduler, [seq])
+
+
+def test_update_from_output_forks_n_siblings_sharing_the_prompt_blocks():
+    bm = BlockManager(num_blocks=16, block_size=BLOCK)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    parent = Sequence("r0", scheduler.next_seq_id(), 0, list(range(10)), SamplingParams(n=3, seed=5),
+                      generator=torch.Generator().manual_seed(5), max_tokens=4)
+    parent.num_forks = 2
+    scheduler.add(parent)
+    out = scheduler.schedule()
+    (update,) = scheduler.update_from_output(out, ModelRunnerOutput([sampled(11)], [None]))
+    children = update.forked
+    assert [(child.index, child.seq_id, child.status) for child in children] == [
+        (1, 1, SequenceStatus.RUNNING), (2, 2, SequenceStatus.RUNNING)]
+    # Each child shares the prompt's two full blocks and recomputes its last, partial block.
+    assert all(child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+               for child in children)
+    assert [bm.ref_counts[block] for block in parent.block_table] == [3, 3, 1]
+    assert children[1].generator.initial_seed() == 7  # sibling i draws from seed + i
+    assert scheduler.running == [parent, *children] and scheduler.num_reserved_seats == 0
+    check(scheduler, [parent, *children])
+    for seq in (parent, *children):
+        scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)

@@ -13,6 +13,7 @@ from ember import SamplingParams
 from ember.engine.args import EngineArgs, SpeculativeConfig
 from ember.engine.ngram_proposer import NgramProposer
 from ember.engine.sampler import Sampler
+from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.sequence import Sequence
 from ember.errors import EmberError
 
@@ -156,6 +157,39 @@ def test_stops_inside_accepted_drafts_match_plain_decoding(make_llm, run_checked
         assert (have.finish_reason, have.stop_reason) == ("stop", stop)
 
 
+
+def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(make_llm, run_checked) -> None:
+    """The output processor finds a stop string in the middle of a step's accepted drafts: the sequence
+    ends at the token that completed it, as in plain decoding."""
+    prompts = repetitive_prompts(1, 2)
+    plain = make_llm()
+    speculative = make_llm(speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    scheduler = speculative.engine.scheduler
+    finish = scheduler.finish
+    dropped: list[int] = []  # tokens a stop string cut from the end of a step's accepted drafts
+
+    def finish_and_count(seq, status, num_tokens=None):
+        if num_tokens is not None:
+            dropped.append(seq.num_tokens - num_tokens)
+        finish(seq, status, num_tokens)
+
+    scheduler.finish = finish_and_count
+    for prompt in prompts:
+        (full,) = generate(plain, [prompt], params, run_checked)
+        for length in range(len(full.text) // 3, len(full.text) * 3 // 4, len(full.text) // 12):
+            # A prefix of the output's own text as the stop string: it completes mid-output, where drafts are
+            # being accepted, and the text before it is empty.
+            stop = full.text[:length]
+            stop_params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+            (want,) = generate(plain, [prompt], stop_params, run_checked)
+            (have,) = generate(speculative, [prompt], stop_params, run_checked)
+            assert (have.token_ids, have.text) == (want.token_ids, want.text)
+            assert (have.text, have.finish_reason, have.stop_reason) == ("", "stop", stop)
+            assert len(have.token_ids) < len(full.token_ids)
+    assert any(count > 0 for count in dropped), dropped
+
+
 def test_penalized_requests_decode_without_drafts(make_llm, run_checked) -> None:
     speculative = make_llm(speculative_config=NGRAM)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
@@ -176,7 +210,8 @@ def test_sampled_verification_keeps_the_target_distribution() -> None:
     rows = 20_000
     seqs = [Sequence("r", i, 0, [2, 3], SamplingParams(temperature=1.0)) for i in range(rows)]
     logits = logits_row.expand(2 * rows, vocab).contiguous()
-    out = Sampler([5], torch.device("cpu"), seed=3)(logits, seqs, [[1] for _ in range(rows)])
+    metadata = SamplingMetadata.from_sequences(seqs, [[1] for _ in range(rows)], [5], torch.device("cpu"))
+    out = Sampler(torch.device("cpu"), seed=3)(logits, metadata)
     first = torch.tensor([tokens[0].token_id for tokens in out])
     frequencies = torch.bincount(first, minlength=vocab).float() / rows
     torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)

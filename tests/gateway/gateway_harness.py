@@ -30,7 +30,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ember.gateway.app import GatewayApp, create_app
-from ember.gateway.config import parse_config
+from ember.gateway.config import GatewayConfig, parse_config
+from ember.gateway.replicas import ReplicaPool
 
 # One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip.
 http = httpx.Client(timeout=60)
@@ -51,6 +52,14 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> N
         time.sleep(0.005)
 
 
+def admitted_pool(config: GatewayConfig) -> ReplicaPool:
+    """The replicas of `config` as after a first round of passing health probes (routing tests)."""
+    pool = ReplicaPool.from_config(config)
+    for replica in pool.all():
+        pool.mark_success(replica)
+    return pool
+
+
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -58,17 +67,18 @@ def sha256(text: str) -> str:
 class ServerThread:
     """A uvicorn server for `app` on its own event loop thread; stop() closes its connections."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
         self.app = app
+        self.host = host
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+            self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="auto", timeout_graceful_shutdown=1, loop="asyncio", http="httptools",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
@@ -103,7 +113,7 @@ class ServerThread:
 class FakeReplica:
     """An OpenAI-compatible upstream with knobs. Responses say which replica served them."""
 
-    def __init__(self, name: str, port: int | None = None):
+    def __init__(self, name: str, port: int | None = None, host: str = "127.0.0.1"):
         self.name = name
         self.requests: list[dict] = []  # bodies, in arrival order
         self.in_flight = 0
@@ -116,6 +126,7 @@ class FakeReplica:
         self.chunks = ["Hello", " from", " " + name]
         self.usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
         self.aborted = 0  # streams the client (the gateway) hung up on
+        self.authorizations: dict[str, set[str | None]] = {}  # path -> Authorization headers received
         self._gate: asyncio.Event | None = None
         routes = [
             Route("/v1/chat/completions", self._completion, methods=["POST"]),
@@ -123,7 +134,8 @@ class FakeReplica:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
         ]
-        self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port)
+        self.server = ServerThread(Starlette(routes=routes, lifespan=self._lifespan), port, host)
+        self.server.app.add_middleware(_RecordAuthorization, replica=self)
 
     @property
     def url(self) -> str:
@@ -221,6 +233,20 @@ class FakeReplica:
             raise
         finally:
             self.in_flight -= 1
+
+
+class _RecordAuthorization:
+    """Notes the Authorization header of every request a FakeReplica receives, by path."""
+
+    def __init__(self, app, replica: FakeReplica):
+        self.app = app
+        self.replica = replica
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization")
+            self.replica.authorizations.setdefault(scope["path"], set()).add(header and header.decode())
+        await self.app(scope, receive, send)
 
 
 class EmberServe:

@@ -20,7 +20,7 @@ from gateway_harness import ServerThread, free_port, sha256, wait_until
 
 from ember.gateway.app import GatewayApp, create_app
 from ember.gateway.config import parse_config
-from ember.gateway.protocols import JobsExtension, protocol_extensions
+from ember.gateway.extensions import JobsExtension, protocol_extensions
 
 KEY = "sk-test-alpha"
 OTHER_KEY = "sk-test-beta"
@@ -99,11 +99,14 @@ def auth(key: str = KEY) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def start_ember_serve(model_dir: Path, log_path: Path, max_model_len: int = 1024) -> tuple[subprocess.Popen, str]:
+def start_ember_serve(
+    model_dir: Path, log_path: Path, max_model_len: int = 1024, extra_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable, "-m", "ember.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
         "--served-model-name", "tiny", "--port", str(port), "--num-threads", "1", "--max-model-len", str(max_model_len),
+        *extra_args,
     ]  # fmt: skip
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(

@@ -129,12 +129,12 @@ def test_openai_sdk_batch_workflow_end_to_end(gateway):
 def test_invalid_uploads_and_batches_are_refused_with_reasons(gateway):
     client = sdk(gateway)
     cases = [
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\nnot json\n',
-         "Line 2 of the batch file: not valid JSON"),
+        (jsonl(chat_line("a")) + b"not json\n", "Line 2 of the batch file: not valid JSON"),
         (jsonl(chat_line("a"), chat_line("a")), "Line 2 of the batch file: custom_id 'a' is used more than once"),
         (jsonl({**chat_line("a"), "method": "GET"}), "Line 1 of the batch file: 'method' must be \"POST\""),
         (jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "Line 1 of the batch file: 'url' must be one of"),
-        (jsonl({**chat_line("a"), "body": {"messages": []}}), "'body.model' must be a non-empty string"),
+        (jsonl({**chat_line("a"), "url": ["/v1/completions"]}), "Line 1 of the batch file: 'url' must be one of"),
+        (jsonl({**chat_line("a"), "body": {"messages": []}}), "in 'body', You must provide a model parameter."),
         (b"\n\n", "The batch file holds no requests."),
         (b"\xff\xfe", "The file is not UTF-8 text."),
     ]  # fmt: skip
@@ -155,6 +155,9 @@ def test_invalid_uploads_and_batches_are_refused_with_reasons(gateway):
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1 day"
         )
     assert caught.value.body["param"] == "completion_window"
+    with pytest.raises(openai.BadRequestError) as caught:  # a list is unhashable: this was a 500
+        client.batches.create(input_file_id=uploaded.id, endpoint=["/v1/chat/completions"], completion_window="24h")
+    assert caught.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):
         client.batches.create(
             input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import orjson
 from gateway_harness import FakeReplica, free_port, gateway_config, http, wait_until
@@ -22,11 +24,11 @@ def chat(gateway, stream: bool = False) -> httpx.Response:
 
 
 def test_connection_refused_is_retried_and_the_replica_ejected(start_gateway):
-    live = FakeReplica("live").start()
+    dying, live = FakeReplica("dying").start(), FakeReplica("live").start()
     try:
-        dead_url = f"http://127.0.0.1:{free_port()}"
-        config = gateway_config({"tiny": two_replica_model(dead_url, live.url)}, [dict(KEY)], health=SLOW_PROBES)
-        gateway = start_gateway(config)
+        config = gateway_config({"tiny": two_replica_model(dying.url, live.url)}, [dict(KEY)], health=SLOW_PROBES)
+        gateway = start_gateway(config)  # both admitted by the first round of probes
+        dying.stop()  # the next probe is a minute away: only a request can find it gone
         responses = [chat(gateway), chat(gateway, stream=True), chat(gateway), chat(gateway, stream=True)]
         assert [response.status_code for response in responses] == [200] * 4
         assert all(response.headers["x-ember-replica"] == "second" for response in responses)
@@ -117,14 +119,66 @@ def test_health_probes_eject_and_readmit(start_gateway):
 
 
 def test_no_healthy_replica_is_a_503(start_gateway):
-    dead_url = f"http://127.0.0.1:{free_port()}"
-    models = {"tiny": {"deployments": [{"replicas": [{"url": dead_url, "id": "dead"}]}]}}
+    dying = FakeReplica("dying").start()
+    models = {"tiny": {"deployments": [{"replicas": [{"url": dying.url, "id": "dead"}]}]}}
     gateway = start_gateway(gateway_config(models, [dict(KEY)], health=SLOW_PROBES))
+    dying.stop()
     first = chat(gateway)
     assert first.status_code == 502  # tried, refused, ejected, nothing else to try
     second = chat(gateway)
     assert second.status_code == 503
     assert second.json()["error"]["code"] == "no_healthy_replica"
+
+
+def test_a_replica_is_sent_nothing_before_its_first_successful_probe(start_gateway):
+    loading = FakeReplica("loading").start()
+    loading.health_status = 503  # up, but its model not loaded yet
+    try:
+        models = {"tiny": {"deployments": [{"replicas": [{"url": loading.url, "id": "loading"}]}]}}
+        gateway = start_gateway(gateway_config(models, [dict(KEY)]))  # probes every 0.2 s
+        replica = gateway.dispatcher.pool.get("loading")
+        assert not replica.healthy and replica.awaiting_first_probe
+        ready = http.get(gateway.url + "/ready")
+        assert ready.status_code == 503 and ready.json()["healthy_replicas"] == {"tiny": 0}
+
+        # Past its deadline, a request that waited for the replica gets the no-replica answer.
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        late = http.post(gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "300"})
+        assert late.status_code == 503
+        assert late.json()["error"]["code"] == "no_healthy_replica"
+        # One that arrives now waits in the queue, then is served once a probe passes.
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(chat, gateway)
+            wait_until(lambda: gateway.dispatcher.queue.depth("tiny") == 1, what="the request to queue")
+            assert loading.requests == []  # nothing reached the replica that has not answered a probe
+            loading.health_status = 200
+            served = waiting.result(timeout=30)
+        assert served.status_code == 200 and served.headers["x-ember-replica"] == "loading"
+        assert len(loading.requests) == 1
+        assert not replica.awaiting_first_probe
+        # Admission is not a re-admission, and never having answered was not an ejection.
+        assert gateway.metric("ember_gateway_readmissions_total", replica="loading") == 0
+        assert gateway.metric("ember_gateway_ejections_total", replica="loading", reason="health_probe") == 0
+    finally:
+        loading.stop()
+
+
+def test_a_failover_retry_does_not_wait_for_a_replica_that_never_answered(start_gateway):
+    failing = FakeReplica("failing").start()
+    failing.fail_status = 500
+    try:
+        never_up = f"http://127.0.0.1:{free_port()}"
+        config = gateway_config({"tiny": two_replica_model(failing.url, never_up)}, [dict(KEY)], health=SLOW_PROBES)
+        gateway = start_gateway(config)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        # The deadline is beyond the client's 30 s timeout: only an answer that does not wait for "second" passes.
+        response = http.post(gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "120000"},
+                             timeout=30)  # fmt: skip
+        assert response.status_code == 502
+        assert response.json()["error"]["message"].endswith("1 replica(s) failed before responding (last: HTTP 500).")
+        assert len(failing.requests) == 1
+    finally:
+        failing.stop()
 
 
 def test_pooled_connections_a_restarted_replica_closed_are_not_failures(start_gateway):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from gateway_harness import admitted_pool
+
 from ember.gateway.config import parse_config
-from ember.gateway.replicas import ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.routing.canary import CanarySplitter
@@ -39,7 +40,7 @@ def canary_router(seed: int = 7):
             }
         }
     )  # fmt: skip
-    pool = ReplicaPool.from_config(config)
+    pool = admitted_pool(config)
     return Router(config, pool, random.Random(seed)), pool
 
 
@@ -108,7 +109,7 @@ def region_router(capacity: int = 2):
             },
         }
     )
-    pool = ReplicaPool.from_config(config)
+    pool = admitted_pool(config)
     return Router(config, pool, random.Random(0)), pool
 
 
@@ -190,5 +191,5 @@ def test_region_awareness_can_be_switched_off_per_model():
             },
         }
     )  # fmt: skip
-    router = Router(config, ReplicaPool.from_config(config), random.Random(0))
+    router = Router(config, admitted_pool(config), random.Random(0))
     assert Counter(router.select("tiny", ctx(region="a")).id for _ in range(10)) == {"a": 5, "b": 5}

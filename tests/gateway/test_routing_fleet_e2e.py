@@ -129,17 +129,9 @@ class Fleet:
         )  # fmt: skip
 
     def wait_until_serving(self) -> None:
-        # The gateway admits configured replicas optimistically until probes fail, so first wait for the
-        # replicas themselves (loading the model can take a minute on a busy machine), then for admission.
-        wait_for(lambda: self.replica_up(self.url_a) and self.replica_up(self.url_b), "both replicas to answer /health")
+        # The gateway admits each replica at its first passing health probe (loading the model can take
+        # a minute on a busy machine); a request sent earlier would wait in the gateway's queue.
         wait_for(lambda: self.admitted("cache-a", "cache-b", "geo-east", "geo-west"), "the gateway to admit both replicas")
-
-    @staticmethod
-    def replica_up(url: str) -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def chat(self, model: str, system: str, question: str, region: str | None = None) -> tuple[str, str]:
         """(replica id from x-ember-replica, reply text)."""
@@ -224,6 +216,29 @@ def test_requests_are_served_in_their_own_region(fleet):
     for _ in range(3):
         assert fleet.chat("tiny-geo", SYSTEM, "east?", region="east")[0] == "geo-east"
         assert fleet.chat("tiny-geo", SYSTEM, "west?", region="west")[0] == "geo-west"
+
+
+def test_replicas_refuse_every_caller_but_the_gateway(fleet):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for url in (fleet.url_a, fleet.url_b):
+        for authorization in ({}, {"Authorization": f"Bearer {KEY}"}):  # no key, or a gateway user's key
+            direct = httpx.post(url + "/v1/chat/completions", json=body, headers=authorization, timeout=30.0)
+            assert direct.status_code == 401
+            assert direct.json()["error"]["code"] == "invalid_api_key"
+    through_gateway = httpx.post(
+        fleet.gateway + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120.0
+    )
+    assert through_gateway.status_code == 200 and through_gateway.json()["usage"]["completion_tokens"] == 2
+    # The credential travels in the children's environment, never in their command lines.
+    (replica_pid,) = [pid for pid, cmd in fleet.children().items() if f"--port {fleet.port_a} " in cmd + " "]
+    environ = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{replica_pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    credential = environ[b"EMBER_API_KEY"].decode()
+    assert all(credential not in cmd for cmd in fleet.children().values())
+    keyed = httpx.post(fleet.url_a + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {credential}"},
+                       timeout=120.0)  # fmt: skip
+    assert keyed.status_code == 200
 
 
 def test_region_spill_over_on_outage_then_readmission_after_restart_then_clean_shutdown(fleet):

@@ -38,12 +38,38 @@ def test_fleet_file_derives_each_replica_command_from_the_models_section(tmp_pat
     path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501)
     fleet = load_fleet(path)
     gateway, replica = fleet.children
-    assert gateway.argv[3:] == ["gateway", "--config", str(path.resolve()), "--host", "127.0.0.1", "--port", "18500"]
+    assert gateway.argv[3:] == ["gateway", "--config", str(path.resolve()), "--host", "127.0.0.1", "--port", "18500",
+                                "--fleet-replicas", "r1"]  # fmt: skip
     assert replica.name == "replica-18501" and replica.health_url == "http://127.0.0.1:18501/health"
     assert replica.argv[3:11] == ["serve", "--model", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", "18501",
                                   "--served-model-name"]  # fmt: skip
     assert replica.argv[11] == "tiny-v1"  # what the gateway sends upstream as `model`
     assert replica.argv[-4:] == ["--dtype", "float32", "--kv-cache-memory", "0.02"]
+
+
+def test_each_fleet_gets_its_own_service_credential_through_the_environment_only(tmp_path):
+    path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501)
+    gateway, replica = load_fleet(path).children
+    credential = gateway.env["EMBER_FLEET_CREDENTIAL"]
+    assert len(credential) >= 40
+    assert replica.env == {"EMBER_API_KEY": credential}  # `ember serve --api-key`'s default
+    assert not any(credential in arg for arg in gateway.argv + replica.argv)  # argv is public (ps)
+    assert load_fleet(path).children[0].env["EMBER_FLEET_CREDENTIAL"] != credential
+
+
+def test_a_launched_replica_takes_no_key_but_the_fleet_credential(tmp_path):
+    path = write_fleet(tmp_path, tmp_path / "model", 18500, 18501)
+    data = yaml.safe_load(path.read_text())
+    data["models"]["tiny"]["deployments"][0]["replicas"][0]["api_key"] = "sk-mine"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FleetError, match=r"launch\.replicas\[0\]: .* remove the api key of models\.tiny\.deployments\[0\]\.replicas\[0\]"):
+        load_fleet(path)
+    del data["models"]["tiny"]["deployments"][0]["replicas"][0]["api_key"]
+    for flag in (["--api-key", "sk-mine"], ["--api-key=sk-mine"]):
+        data["launch"]["replicas"][0]["args"] = flag
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(FleetError, match=r"launch\.replicas\[0\]\.args: .* remove --api-key"):
+            load_fleet(path)
 
 
 def test_fleet_file_errors_name_the_bad_field(tmp_path):

@@ -102,17 +102,19 @@ async def client():
     await client.close()
 
 
-async def test_probes_eject_after_consecutive_failures_and_readmit_on_recovery(server, client):
+async def test_probes_admit_at_the_first_success_eject_after_failures_in_a_row_and_readmit(server, client):
     config, pool = fleet(server.port, free_port())
     events = []
     pool.add_listener(lambda event, replica: events.append((event, replica.id)))
     prober = HealthProber(pool, client, config.health)
     live, dead = pool.get("live"), pool.get("dead")
 
+    assert not live.healthy and not dead.healthy  # configured replicas wait for their first probe
     await prober.probe_all()
-    assert live.healthy and dead.healthy and dead.consecutive_failures == 1
+    assert live.healthy and not live.awaiting_first_probe
+    assert not dead.healthy and dead.awaiting_first_probe and dead.consecutive_failures == 1
     await prober.probe_all()
-    assert live.healthy and not dead.healthy and dead.ejection_reason == "health_probe"
+    assert dead.awaiting_first_probe and dead.ejection_reason is None  # never admitted: not an ejection
 
     await server.stop()
     assert await prober.probe(live) is False
@@ -123,7 +125,7 @@ async def test_probes_eject_after_consecutive_failures_and_readmit_on_recovery(s
     await server.start()  # same port: the replica came back
     assert await prober.probe(live) is True
     assert live.healthy and live.consecutive_failures == 0
-    assert events == [("eject", "dead"), ("eject", "live"), ("readmit", "live")]
+    assert events == [("admit", "live"), ("eject", "live"), ("readmit", "live")]
 
 
 async def test_a_server_answering_5xx_counts_as_unhealthy(server, client):
@@ -146,6 +148,8 @@ async def test_the_background_prober_ejects_and_readmits_on_its_own(server, clie
     pool.add_listener(lambda event, replica: changed.set() if replica is live else None)
     await prober.start()
     try:
+        assert live.healthy  # start() returns after a first round of probes
+        changed.clear()
         await server.stop()
         await asyncio.wait_for(changed.wait(), 30)
         assert not live.healthy
@@ -162,6 +166,7 @@ async def test_scraper_fills_the_load_snapshot_and_clears_it_when_scrapes_fail(s
     config, pool = fleet(server.port, free_port())
     scraper = MetricsScraper(pool, client, config.scrape)
     live, dead = pool.get("live"), pool.get("dead")
+    await HealthProber(pool, client, config.health).probe_all()  # admits live; dead is never scraped
     await scraper.scrape_all()
     assert (live.metrics.waiting, live.metrics.running, live.metrics.kv_usage) == (7.0, 3.0, 0.5)
     assert live.metrics.scraped_at > 0

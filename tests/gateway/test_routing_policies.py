@@ -7,11 +7,12 @@ import time
 from collections import Counter
 
 import pytest
+from gateway_harness import admitted_pool
 
 from ember.gateway.config import GatewayConfigError, parse_config
-from ember.gateway.replicas import ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
+from ember.gateway.routing import POLICIES, validate_routing
 from ember.gateway.routing.least_outstanding import LeastOutstandingPolicy
 from ember.gateway.routing.load_aware import LoadAwarePolicy
 from ember.gateway.routing.round_robin import RoundRobinPolicy
@@ -37,7 +38,7 @@ def make_pool(replica_count: int, capacity: int = 8, policy: str = "round-robin"
             }
         }
     )
-    return config, ReplicaPool.from_config(config)
+    return config, admitted_pool(config)
 
 
 def chat(text: str = "hello", session: str | None = None) -> RequestContext:
@@ -219,14 +220,30 @@ def test_load_aware_weights_come_from_routing_options():
     assert router.select("tiny", chat()) is r1
 
 
-def test_bad_routing_options_fail_at_start_with_the_field_path():
+@pytest.mark.parametrize("check", ["router", "validate_routing"])
+def test_bad_routing_options_fail_at_start_with_the_field_path(check: str):
+    """The router refuses them, and validate_routing (what `ember up` runs) says the same without one."""
     config, pool = make_pool(2, policy="prefix-cache", options={"block_chars": 0, "colour": "red"})
     with pytest.raises(GatewayConfigError) as info:
-        Router(config, pool)
+        Router(config, pool) if check == "router" else validate_routing(config)
     message = str(info.value)
     assert message.startswith("models.tiny.routing.options: ")
     assert "block_chars: Input should be greater than or equal to 1" in message
     assert "colour: Extra inputs are not permitted" in message
+
+
+def test_validate_routing_accepts_every_policy_with_its_own_options():
+    options = {
+        "round-robin": {},
+        "least-outstanding": {},
+        "session-affinity": {},
+        "load-aware": {"kv_usage_weight": 0, "running_weight": 5},
+        "prefix-cache": {"block_chars": 16, "cache_threshold": 0.5},
+    }
+    assert set(options) == set(POLICIES)
+    for policy, policy_options in options.items():
+        config, _ = make_pool(1, policy=policy, options=policy_options)
+        assert validate_routing(config) is None
 
 
 def test_session_affinity_is_stable_and_moves_only_the_sessions_of_a_leaving_replica():
@@ -238,7 +255,7 @@ def test_session_affinity_is_stable_and_moves_only_the_sessions_of_a_leaving_rep
     spread = Counter(before.values())
     assert set(spread) == {"r0", "r1", "r2", "r3"} and min(spread.values()) > 60
     # A second router (another gateway instance, another process seed) agrees.
-    other = Router(config, ReplicaPool.from_config(config), random.Random(99))
+    other = Router(config, admitted_pool(config), random.Random(99))
     assert before == {s: other.select("tiny", chat(session=s)).id for s in sessions}
 
     pool.eject(pool.get("r2"), "test")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
+from gateway_harness import admitted_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.gateway.config import parse_config
-from ember.gateway.replicas import ReplicaPool
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.routing.prefix_cache import PrefixCachePolicy, PrefixIndex
@@ -34,7 +34,7 @@ def make_router(replica_count: int = 3, **options):
             }
         }
     )
-    pool = ReplicaPool.from_config(config)
+    pool = admitted_pool(config)
     return Router(config, pool, random.Random(0)), pool
 
 

@@ -123,6 +123,7 @@ def test_auth_frame_and_malformed_frames_get_error_frames(gateway):
         assert set(frame["error"]) == {"message", "type", "param", "code"}
         assert error_for(b"[1, 2]")["error"]["message"] == "A frame must be a JSON object."
         assert error_for(json.dumps({"type": "embeddings", "id": "e"}))["error"]["param"] == "type"
+        assert error_for(json.dumps({"type": ["completions"], "id": "e"}))["error"]["param"] == "type"  # found by fuzzing
         assert error_for(json.dumps({**request, "id": ""}))["error"]["param"] == "id"
         assert error_for(json.dumps({**request, "body": "text"}))["error"]["param"] == "body"
         assert error_for(json.dumps({**request, "priority": "high"}))["error"]["param"] == "priority"

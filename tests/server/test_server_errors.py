@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
+
+from ember.engine.errors import (
+    EngineDeadError,
+    EngineRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from ember.server.errors import engine_error
 
 MODEL_NAME = "tiny"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -104,6 +114,21 @@ def test_negative_or_absurd_parameters_are_400(post, path, body, param):
     assert_error(post(path, json=body), 400, param=param)
 
 
+@pytest.mark.parametrize(
+    "field, raw_value",
+    [("temperature", "NaN"), ("temperature", '"NaN"'), ("top_p", "Infinity"), ("presence_penalty", "-Infinity")],
+)
+def test_non_finite_numbers_are_named_as_such(post, field, raw_value):
+    """NaN used to fail the range check and read "must be <= 100"; the message says what is wrong."""
+    content = f'{{"model": "{MODEL_NAME}", "prompt": "hi", "max_tokens": 2, "{field}": {raw_value}}}'
+    error = assert_error(
+        post("/v1/completions", content=content.encode(), headers={"content-type": "application/json"}),
+        400,
+        param=field,
+    )
+    assert error["message"] == f"{field}: must be a finite number"
+
+
 def test_empty_messages_is_400(post):
     error = assert_error(post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, param="messages")
     assert "at least 1" in error["message"]
@@ -131,6 +156,75 @@ def test_prompt_plus_max_tokens_over_context_is_400(post):
     assert_error(
         post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000}), 400, code="context_length_exceeded"
     )
+
+
+def test_engine_refusals_are_400s_naming_the_field(post, server, auth, tiny_model_dir):
+    """The engine checks prompts and sampling parameters; the server answers its typed errors as these."""
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    limit = httpx.get(f"{server.url}/v1/models", headers=auth).json()["data"][0]["max_model_len"]
+    out_of_range = f"Token id {10**9} is out of range (vocabulary size {vocab_size})"
+    error = assert_error(
+        post("/v1/completions", json={**COMPLETION, "prompt": [1, 10**9 - 1, 10**9]}), 400, param="prompt"
+    )
+    assert error["message"] == out_of_range
+    error = assert_error(post("/detokenize", json={"tokens": [10**9, 5]}), 400, param="tokens")
+    assert error["message"] == out_of_range
+    error = assert_error(post("/v1/completions", json={**COMPLETION, "prompt": ""}), 400, param="prompt")
+    assert error["message"] == "The prompt is empty (it encodes to zero tokens)"
+    error = assert_error(
+        post("/v1/completions", json={**COMPLETION, "prompt": [5] * limit}),
+        400,
+        code="context_length_exceeded",
+        param="prompt",
+    )
+    assert error["message"] == (
+        f"This model's maximum context length is {limit} tokens. However, your prompt has {limit} tokens, "
+        "which leaves no room for the completion. Please shorten the prompt."
+    )
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "hi " * limit}]}
+    error = assert_error(
+        post("/v1/chat/completions", json=long_chat), 400, code="context_length_exceeded", param="messages"
+    )
+    assert error["message"].startswith(f"This model's maximum context length is {limit} tokens.")
+    error = assert_error(
+        post("/v1/completions", json={**COMPLETION, "min_tokens": 5, "max_tokens": 2}),
+        400,
+        param="min_tokens",
+    )
+    assert error["message"] == "min_tokens must be <= max_tokens (2), got 5"
+
+
+@pytest.mark.parametrize(
+    "error, status, error_type, code, param",
+    [
+        (
+            PromptTooLongError("too long", "messages"),
+            400,
+            "invalid_request_error",
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            InvalidSamplingParamsError("top_p must be in (0, 1]", "top_p"),
+            400,
+            "invalid_request_error",
+            None,
+            "top_p",
+        ),
+        (EngineRequestError("step failed"), 500, "server_error", "engine_error", None),
+        (EngineDeadError("gone"), 503, "service_unavailable_error", "engine_dead", None),
+    ],
+)
+def test_engine_errors_map_to_one_openai_error_each(error, status, error_type, code, param):
+    api_error = engine_error(error)
+    assert api_error.status == status
+    assert api_error.body()["error"] == {
+        "message": api_error.message,
+        "type": error_type,
+        "param": param,
+        "code": code,
+    }
+    assert str(error) in api_error.message
 
 
 def test_oversize_body_is_413(post):

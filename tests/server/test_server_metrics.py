@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+
 import httpx
 import openai
 import pytest
@@ -137,3 +143,62 @@ def test_speculative_decoding_serves_plain_outputs_and_counts_drafts(server, cli
         assert not any("spec_decode" in name for name in server.metrics())
     finally:
         speculative.stop()
+
+
+def test_metrics_require_auth_needs_the_api_key(launch_server, tiny_model_dir, api_key):
+    protected = launch_server(tiny_model_dir, "--api-key", api_key, "--metrics-require-auth")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.get(f"{protected.url}/metrics", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        response = httpx.get(f"{protected.url}/metrics", headers={"Authorization": f"bearer  {api_key}"})
+        assert response.status_code == 200 and "vllm:num_requests_running" in response.text
+        assert httpx.get(f"{protected.url}/health").status_code == 200  # probes stay open
+    finally:
+        protected.stop()
+
+
+def test_metrics_require_auth_without_an_api_key_is_refused_at_start(tiny_model_dir):
+    command = [sys.executable, "-m", "ember.cli", "serve", "--model", str(tiny_model_dir), "--metrics-require-auth"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "EMBER_API_KEY": ""})
+    assert finished.returncode != 0
+    assert "--metrics-require-auth needs --api-key" in finished.stderr
+    assert "Traceback" not in finished.stderr
+
+
+def test_a_client_leaving_mid_stream_or_mid_request_counts_as_an_abort(server, auth):
+    """vLLM's request_success_total{finished_reason="abort"} counts engine requests aborted because the
+    client disconnected: once per request, and the request never counts as finished otherwise."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+    def aborted(samples: dict) -> float:
+        return server.metric(samples, "ember:request_success_total", finished_reason="abort")
+
+    def wait_for_aborts(expected: float) -> dict:
+        deadline = time.monotonic() + 30
+        while True:
+            samples = server.metrics()
+            if aborted(samples) >= expected or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+    before = server.metrics()
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200
+        first_chunk = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first_chunk.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    # Leaving the block closed the connection after the first chunk.
+    after_stream = wait_for_aborts(aborted(before) + 1)
+    for prefix in ("ember:", "vllm:"):
+        name = prefix + "request_success_total"
+        assert server.metric(after_stream, name, finished_reason="abort") - server.metric(before, name, finished_reason="abort") == 1
+        assert server.metric(after_stream, name, finished_reason="length") == server.metric(before, name, finished_reason="length")
+
+    with pytest.raises(httpx.ReadTimeout):  # gives up waiting for a non-streamed answer, and disconnects
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=0.5)
+    after_request = wait_for_aborts(aborted(after_stream) + 1)
+    assert aborted(after_request) - aborted(after_stream) == 1
+    length = "ember:request_success_total"
+    assert server.metric(after_request, length, finished_reason="length") == server.metric(before, length, finished_reason="length")

@@ -14,50 +14,39 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.gateway.errors import GatewayError, bad_request
-from ember.gateway.jobs.runtime import JobsRuntime, not_found, owner_of
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found, owner_of
 from ember.gateway.jobs.store import NewJob
 from ember.gateway.jobs.webhooks import WebhookURLError
+from ember.gateway.request_body import parse_json_object, parse_request_body
 
-ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_seconds")
 # Ember's convention (ember.gateway.priority): a higher number is claimed first.
 LOWEST_PRIORITY, DEFAULT_PRIORITY, HIGHEST_PRIORITY = 0, 1, 2
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
+    return parse_json_object(await request.body())
 
 
 def validate_request_body(body: dict[str, Any], endpoint: str, known_models: Any, allowed: Any) -> None:
-    """What can be checked before queueing: the model exists and is allowed to the key, no streaming."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("You must provide a model parameter.", param="model")
-    if model not in known_models:
-        raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-    if endpoint == "/v1/chat/completions" and not isinstance(body.get("messages"), list):
-        raise bad_request("'messages' must be an array of messages.", param="messages")
-    if endpoint == "/v1/completions" and "prompt" not in body:
-        raise bad_request("You must provide a prompt parameter.", param="prompt")
-    if body.get("stream"):
+    """What can be checked before queueing: the fields the gateway reads have their types, the model
+    exists and is allowed to the key, no streaming."""
+    request = parse_request_body(ENDPOINTS[endpoint], body)
+    if request.model not in known_models:
+        raise GatewayError(
+            404, f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
+        )
+    if request.stream:
         raise bad_request(
             "Async and batch requests cannot be streamed; leave 'stream' unset.", param="stream"
         )
-    if not allowed(model):
+    if not allowed(request.model):
         raise GatewayError(
             403,
-            f"This API key may not use model '{model}'.",
+            f"This API key may not use model '{request.model}'.",
             "permission_error",
             "model_not_allowed",
             "model",
@@ -68,7 +57,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     router = APIRouter()
 
     async def submit(request: Request, endpoint: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         body = await read_json_object(request)
         webhook_url = body.pop("webhook_url", None)
         priority = body.pop("priority", DEFAULT_PRIORITY)
@@ -113,7 +102,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         return await submit(request, "/v1/completions")
 
     async def owned_job(request: Request, job_id: str):
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         job = await runtime.store.get_job(job_id)
         if job is None or job.kind != "async" or job.key_id != principal.key_id:
             raise not_found("job", job_id)
@@ -144,7 +133,7 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
 
     @router.get("/v1/async/webhook-secret")
     async def webhook_secret(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "async")
         return JSONResponse(
             {"object": "webhook.secret", "secret": runtime.webhooks.secret_for(principal.key_id)}
         )

@@ -19,14 +19,12 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from ember.strict_model import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class JobsConfig(_Strict):
+class JobsConfig(StrictModel):
     concurrency: int = Field(default=4, gt=0, description="Async and batch jobs running at once")
     max_attempts: int = Field(
         default=3, ge=1, description="Runs per job, counting re-runs after a gateway crash or replica failure"
@@ -41,7 +39,7 @@ class JobsConfig(_Strict):
     poll_interval_s: float = Field(default=0.5, gt=0, description="Sweep for expired jobs and new work")
 
 
-class WebhooksConfig(_Strict):
+class WebhooksConfig(StrictModel):
     timeout_s: float = Field(default=10.0, gt=0)
     max_attempts: int = Field(default=5, ge=1, description="Deliveries tried per job, first one included")
     backoff_initial_s: float = Field(default=1.0, ge=0)
@@ -73,19 +71,19 @@ class WebhooksConfig(_Strict):
         return secret
 
 
-class BatchConfig(_Strict):
+class BatchConfig(StrictModel):
     max_file_bytes: int = Field(default=100 * 1024 * 1024, gt=0)
     max_requests: int = Field(default=50_000, gt=0, description="Lines per batch input file")
 
 
-class GrpcConfig(_Strict):
+class GrpcConfig(StrictModel):
     port: int | None = Field(
         default=None, ge=0, le=65535, description="Off unless set here or by --grpc-port"
     )
     host: str = "127.0.0.1"
 
 
-class AsyncConfig(_Strict):
+class AsyncConfig(StrictModel):
     store: Path | None = Field(
         default=None, description="SQLite job store, relative to the config file; default ./ember-jobs.db"
     )

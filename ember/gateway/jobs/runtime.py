@@ -7,19 +7,28 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ember.gateway.config import KeyPolicy
+from ember.gateway.config import KeyEndpoint, KeyPolicy
 from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
+from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
-from ember.gateway.keys import Principal
+from ember.gateway.keys import Principal, require_endpoint
+
+if TYPE_CHECKING:
+    from ember.gateway.extensions import GatewayServices
 
 # Endpoints jobs may call, as the Batch API names them -> as the dispatcher names them.
 ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+
+
+def is_endpoint(value: Any) -> bool:
+    """Whether a client-sent value names one of ENDPOINTS (a list or object is unhashable: not one)."""
+    return isinstance(value, str) and value in ENDPOINTS
 
 
 def owner_of(principal: Principal) -> dict[str, Any]:
@@ -33,11 +42,12 @@ def not_found(kind: str, object_id: str) -> GatewayError:
 
 
 class JobsRuntime:
-    def __init__(self, dispatcher: Any, config: AsyncConfig, base_dir: Path | None = None) -> None:
+    def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None = None) -> None:
         self.dispatcher = dispatcher
         self.config = config
         self.store = JobStore(config.store_path(base_dir))
-        self.metrics = JobMetrics(getattr(getattr(dispatcher, "metrics", None), "registry", None))
+        self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
+        self.metrics = JobMetrics(dispatcher.metrics.registry)
         self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)
         # Run after crash recovery, before the workers start (e.g. closing batches a crash left open).
@@ -58,14 +68,16 @@ class JobsRuntime:
         await self.webhooks.stop()
         await self.store.close()
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        return self.dispatcher.authenticate(authorization)
+    def authenticate(self, authorization: str | None, endpoint: KeyEndpoint) -> Principal:
+        """The caller's key, which must be scoped to `endpoint` ("async" or "batch")."""
+        principal = self.dispatcher.authenticate(authorization)
+        require_endpoint(principal, endpoint)
+        return principal
 
     def principal_for(self, job: Job) -> Principal:
         """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
         owner = job.owner
-        keys = getattr(self.dispatcher, "keys", None)
-        store = getattr(keys, "store", None)
+        store = self.dispatcher.keys.store
         if store is not None and not owner["key_id"].startswith("inline:"):
             try:
                 record = store.get(owner["key_id"])

@@ -27,8 +27,6 @@ T = TypeVar("T")
 JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
 JobKind = Literal["async", "batch"]
 TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
-# Jobs of these states get a webhook; a cancel was asked for by the client, so it gets none.
-WEBHOOK_STATUSES = ("succeeded", "failed", "expired")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -478,7 +476,7 @@ class JobStore:
             if row is None:
                 return None
             before = Job.from_row(row)
-            if before.status in ("queued", "running"):
+            if before.status in ("queued", "running"):  # no webhook: the client asked for the cancel
                 conn.execute(
                     "UPDATE jobs SET status = 'cancelled', finished_at = ?, error = ?, webhook_status = NULL"
                     " WHERE id = ?",

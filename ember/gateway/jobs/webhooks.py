@@ -33,6 +33,7 @@ import httpx
 from ember.gateway.jobs.config import WebhooksConfig
 from ember.gateway.jobs.metrics import JobMetrics
 from ember.gateway.jobs.store import Job, JobStore
+from ember.side_client import side_client
 
 logger = logging.getLogger("ember.gateway.webhooks")
 
@@ -182,9 +183,7 @@ class WebhookSender:
     async def start(self) -> None:
         if not self.master_secret:
             self.master_secret = await self.store.meta_value("webhook_master_secret", generate_secret)
-        self._client = httpx.AsyncClient(
-            timeout=self.config.timeout_s, follow_redirects=False, trust_env=False
-        )
+        self._client = side_client(self.config.timeout_s)
         for job in await self.store.jobs_with_pending_webhooks():
             self.submit(job)
 

@@ -13,10 +13,11 @@ import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from ember.gateway.replicas import Replica
 from ember.gateway.request_context import RequestContext
+from ember.strict_model import StrictModel
 
 
 class Choice(NamedTuple):
@@ -26,14 +27,13 @@ class Choice(NamedTuple):
 
 class RoutingPolicy(Protocol):
     name: str
+    options_schema: type[PolicyOptions]  # what `routing.options` may hold for this policy
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None: ...
 
 
-class PolicyOptions(BaseModel):
+class PolicyOptions(StrictModel):
     """Base of each policy's `routing.options` schema: unknown knobs are an error, not ignored."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class PolicyOptionsError(ValueError):

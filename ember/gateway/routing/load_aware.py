@@ -43,9 +43,10 @@ def load_score(replica: Replica, options: LoadAwareOptions, now: float) -> float
 
 class LoadAwarePolicy:
     name = "load-aware"
+    options_schema = LoadAwareOptions
 
     def __init__(self, options: dict[str, Any] | None = None, rng: random.Random | None = None):
-        self.options = parse_options(LoadAwareOptions, options or {})
+        self.options = parse_options(self.options_schema, options or {})
         self._rng = rng or random.Random()
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None:

@@ -117,9 +117,10 @@ class PrefixIndex:
 
 class PrefixCachePolicy:
     name = "prefix-cache"
+    options_schema = PrefixCacheOptions
 
     def __init__(self, options: dict[str, Any] | None = None, rng: random.Random | None = None):
-        self.options = parse_options(PrefixCacheOptions, options or {})
+        self.options = parse_options(self.options_schema, options or {})
         self.index = PrefixIndex(self.options.block_chars, self.options.max_blocks_per_replica)
         self._rng = rng or random.Random()
 

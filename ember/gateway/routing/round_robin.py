@@ -16,9 +16,10 @@ from ember.gateway.routing.base import Choice, PolicyOptions, parse_options
 
 class RoundRobinPolicy:
     name = "round-robin"
+    options_schema = PolicyOptions
 
     def __init__(self, options: dict[str, Any] | None = None, rng: random.Random | None = None):
-        parse_options(PolicyOptions, options or {})
+        parse_options(self.options_schema, options or {})
         self._turns: dict[tuple[str, str | None], int] = {}
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None:

@@ -17,9 +17,10 @@ from ember.gateway.routing.base import Choice, PolicyOptions, least_utilized, pa
 
 class SessionAffinityPolicy:
     name = "session-affinity"
+    options_schema = PolicyOptions
 
     def __init__(self, options: dict[str, Any] | None = None, rng: random.Random | None = None):
-        parse_options(PolicyOptions, options or {})
+        parse_options(self.options_schema, options or {})
         self._rng = rng or random.Random()
 
     def choose(self, candidates: Sequence[Replica], ctx: RequestContext) -> Choice | None:

@@ -1,4 +1,5 @@
-"""OpenAI's Files API, as far as the Batch API needs it, stored in the job store's SQLite file:
+"""OpenAI's Files API, as far as the Batch API needs it, kept in the job store's SQLite file (its SQL
+in store_batches.py):
 
     POST   /v1/files                 multipart: file (JSONL) + purpose "batch"; validated line by line
     GET    /v1/files                 this key's files
@@ -11,7 +12,6 @@ A batch input line is `{"custom_id": str, "method": "POST", "url": "/v1/chat/com
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,33 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from ember.gateway.errors import GatewayError, bad_request
-from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, not_found
-from ember.gateway.jobs.store import new_id
+from ember.gateway.jobs.runtime import ENDPOINTS, JobsRuntime, is_endpoint, not_found
+from ember.gateway.request_body import parse_request_body
 
 UPLOAD_PURPOSES = ("batch",)
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    id: str
-    key_id: str
-    filename: str
-    purpose: str
-    bytes: int
-    created_at: float
-
-    def to_public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": int(self.created_at),
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": "processed",
-            "status_details": None,
-            "expires_at": None,
-        }
 
 
 @dataclass(frozen=True)
@@ -69,10 +46,8 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
         if not raw.strip():
             continue
 
-        def bad(reason: str, number: int = number) -> GatewayError:
-            return bad_request(
-                f"Line {number} of the batch file: {reason}", param="file", code="invalid_batch_line"
-            )
+        def bad(reason: str, number: int = number, param: str = "file") -> GatewayError:
+            return bad_request(f"Line {number} of the batch file: {reason}", param, "invalid_batch_line")
 
         try:
             item = orjson.loads(raw)
@@ -91,14 +66,16 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
         seen.add(custom_id)
         if item.get("method") != "POST":
             raise bad("'method' must be \"POST\".")
-        if item.get("url") not in ENDPOINTS:
+        if not is_endpoint(item.get("url")):
             raise bad(f"'url' must be one of {', '.join(ENDPOINTS)}, got {item.get('url')!r}.")
         body = item.get("body")
         if not isinstance(body, dict):
             raise bad("'body' must be a JSON object.")
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            raise bad("'body.model' must be a non-empty string.")
-        if body.get("stream"):
+        try:
+            request = parse_request_body(ENDPOINTS[item["url"]], body)
+        except GatewayError as exc:
+            raise bad(f"in 'body', {exc.message}", param=f"body.{exc.param}") from None
+        if request.stream:
             raise bad("'body.stream' must not be true: batch requests are not streamed.")
         lines.append(BatchLine(custom_id, item["url"], body))
         if len(lines) > max_requests:
@@ -108,43 +85,13 @@ def parse_batch_lines(content: bytes, max_requests: int) -> list[BatchLine]:
     return lines
 
 
-def insert_file(
-    conn: sqlite3.Connection, key_id: str, filename: str, purpose: str, content: bytes, now: float
-) -> StoredFile:
-    stored = StoredFile(new_id("file-"), key_id, filename, purpose, len(content), now)
-    conn.execute(
-        "INSERT INTO files (id, key_id, filename, purpose, bytes, created_at, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (stored.id, key_id, filename, purpose, stored.bytes, now, content),
-    )
-    return stored
-
-
-def _stored(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(
-        row["id"], row["key_id"], row["filename"], row["purpose"], row["bytes"], row["created_at"]
-    )
-
-
-def select_file(conn: sqlite3.Connection, file_id: str, key_id: str) -> StoredFile | None:
-    row = conn.execute(
-        "SELECT id, key_id, filename, purpose, bytes, created_at FROM files WHERE id = ? AND key_id = ?",
-        (file_id, key_id),
-    ).fetchone()
-    return None if row is None else _stored(row)
-
-
-def select_content(conn: sqlite3.Connection, file_id: str, key_id: str) -> bytes | None:
-    row = conn.execute("SELECT content FROM files WHERE id = ? AND key_id = ?", (file_id, key_id)).fetchone()
-    return None if row is None else bytes(row[0])
-
-
 def build_router(runtime: JobsRuntime) -> APIRouter:
     router = APIRouter()
     limits = runtime.config.batch
 
     @router.post("/v1/files")
     async def upload(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
         length = request.headers.get("content-length")
@@ -173,54 +120,35 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
             )
         parse_batch_lines(content, limits.max_requests)
         now = runtime.now()
-        stored = await runtime.store.transaction(
-            lambda conn: insert_file(conn, principal.key_id, filename, purpose, content, now)
-        )
+        stored = await runtime.batch_store.add_file(principal.key_id, filename, purpose, content, now)
         return JSONResponse(stored.to_public())
 
     @router.get("/v1/files")
     async def list_files(request: Request) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
-
-        def read(conn: sqlite3.Connection) -> list[StoredFile]:
-            rows = conn.execute(
-                "SELECT id, key_id, filename, purpose, bytes, created_at FROM files WHERE key_id = ?"
-                " ORDER BY created_at DESC, rowid DESC",
-                (principal.key_id,),
-            )
-            return [_stored(row) for row in rows]
-
-        files = await runtime.store.transaction(read)
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
+        files = await runtime.batch_store.list_files(principal.key_id)
         return JSONResponse({"object": "list", "data": [f.to_public() for f in files], "has_more": False})
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
-        stored = await runtime.store.transaction(lambda conn: select_file(conn, file_id, principal.key_id))
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
+        stored = await runtime.batch_store.get_file(file_id, principal.key_id)
         if stored is None:
             raise not_found("file", file_id)
         return JSONResponse(stored.to_public())
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
-        content = await runtime.store.transaction(
-            lambda conn: select_content(conn, file_id, principal.key_id)
-        )
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
+        content = await runtime.batch_store.file_content(file_id, principal.key_id)
         if content is None:
             raise not_found("file", file_id)
         return Response(content, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
-        principal = runtime.authenticate(request.headers.get("authorization"))
-
-        def delete(conn: sqlite3.Connection) -> int:
-            return conn.execute(
-                "DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, principal.key_id)
-            ).rowcount
-
-        if not await runtime.store.transaction(delete):
+        principal = runtime.authenticate(request.headers.get("authorization"), "batch")
+        if not await runtime.batch_store.delete_file(file_id, principal.key_id):
             raise not_found("file", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
