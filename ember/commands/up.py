@@ -70,6 +70,6 @@ async def run_fleet(fleet) -> int:
     fleet = dataclasses.replace(fleet, children=[dataclasses.replace(gateway, env={**gateway.env, CONTROL_TOKEN_ENV: token}), *replicas])
     supervisor = Supervisor(fleet)
     admin = GatewayAdmin(fleet.gateway_url, token, drain_timeout_s=fleet.launch.shutdown_timeout_s)
-    provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log)
+    provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log, credential=fleet.credential)
     supervisor.services.append(Autoscaler(fleet, provider, log=supervisor.log))
     return await supervisor.run()

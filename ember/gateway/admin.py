@@ -159,6 +159,7 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
         replica = new_replica(
             registration.model, deployment, replica_id=registration.replica_id, url=registration.url,
             region=registration.region, labels=dict(registration.labels), capacity=registration.capacity,
+            api_key=registration.replica_api_key,
         )  # fmt: skip
         await join(dispatcher, replica)
         return replica_state(replica)

@@ -33,6 +33,8 @@ import httpx
 from ember.control.autoscaling.standby import GO_FILE_ENV
 from ember.control.fleet import AutoscaledModel, ChildSpec
 from ember.control.supervisor import Supervisor
+from ember.gateway.config import FLEET_CREDENTIAL_ENV
+from ember.server.settings import API_KEY_ENV
 
 ADMIT_POLL_S = 0.2
 
@@ -81,9 +83,13 @@ class GatewayAdmin:
             base_url=gateway_url, headers={"authorization": f"Bearer {control_token}"}, timeout=10.0
         )
 
-    async def register(self, replica: ManagedReplica, capacity: int, region: str | None) -> bool:
-        """Registers the replica; True once the gateway has admitted it."""
-        body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region}
+    async def register(
+        self, replica: ManagedReplica, capacity: int, region: str | None, api_key_env: str | None = None
+    ) -> bool:
+        """Registers the replica; True once the gateway has admitted it. `api_key_env`: the variable of
+        the gateway's environment that holds the key the replica requires."""
+        body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region,
+                "api_key_env": api_key_env}  # fmt: skip
         response = await self._client.post("/admin/replicas", json=body)
         response.raise_for_status()
         return response.json()["state"] == "ready"
@@ -133,8 +139,12 @@ class LocalProcessProvider:
         models: dict[str, AutoscaledModel],
         gateway: GatewayAdmin,
         log: Callable[[str], None] = print,
+        credential: str | None = None,
     ):
+        """`credential`: the fleet's service credential; the replicas then require it, and the gateway
+        (which holds it in FLEET_CREDENTIAL_ENV) sends it to them."""
         self.supervisor = supervisor
+        self.credential = credential
         self.models = models
         self.gateway = gateway
         self.log = log
@@ -156,7 +166,10 @@ class LocalProcessProvider:
         argv = [sys.executable, "-m", "ember.control.autoscaling.standby", *how.serve_args,
                 "--host", how.host, "--port", str(port)]  # fmt: skip
         health_url = f"http://{how.host}:{port}/health"
-        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, {GO_FILE_ENV: str(standby.go_file)}))
+        env = {GO_FILE_ENV: str(standby.go_file)}
+        if self.credential is not None:
+            env[API_KEY_ENV] = self.credential  # in the environment, never in argv (`ps` shows argv)
+        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, env))
         self._standbys[model] = standby
 
     async def start_replica(self, model: str) -> ManagedReplica:
@@ -183,7 +196,8 @@ class LocalProcessProvider:
             await asyncio.sleep(ADMIT_POLL_S)
         admitted = False
         with contextlib.suppress(httpx.HTTPError):  # a gateway restarting: the loop below asks again
-            admitted = await self.gateway.register(replica, how.capacity, how.region)
+            api_key_env = FLEET_CREDENTIAL_ENV if self.credential is not None else None
+            admitted = await self.gateway.register(replica, how.capacity, how.region, api_key_env)
         while not admitted:
             await asyncio.sleep(ADMIT_POLL_S)
             with contextlib.suppress(httpx.HTTPError):
