@@ -42,7 +42,7 @@ JSON_POST_PREFIXES = ("/v1/async/", "/v1/batches", "/admin/")
 SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
     (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
-KEEPALIVE_FRAME = b": waiting for a replica to start\n\n"
+KEEPALIVE_EVENT = b": waiting for a replica to start\n\n"  # an SSE comment: clients skip it
 HELD_KEEPALIVE_S = 5.0
 WATCH_AFTER_S = 0.02
 
@@ -158,7 +158,7 @@ class GatewayApp:
             if watcher is not None:
                 watcher.stop()
             if held_stream is not None and held_stream.opened:  # no status line left: the error is the last event
-                await send({"type": "http.response.body", "body": b"data: " + exc.to_json() + b"\n\n"})
+                await send({"type": "http.response.body", "body": sse.data_event(exc.to_json())})
             else:
                 await send_error(send, exc)
             return
@@ -175,7 +175,7 @@ class GatewayApp:
             opened = held_stream is not None and held_stream.opened
             if opened and not result.stream:  # the replica answered an error, not a stream
                 watcher.stop()
-                await send({"type": "http.response.body", "body": b"data: " + result.body.strip() + b"\n\n"})
+                await send({"type": "http.response.body", "body": sse.data_event(result.body.strip())})
                 return
             if not result.stream:
                 watcher.stop()
@@ -242,7 +242,7 @@ class HeldStream:
                 if not self.opened:
                     self.opened = True
                     await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                await self.send({"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True})
+                await self.send({"type": "http.response.body", "body": KEEPALIVE_EVENT, "more_body": True})
         finally:
             task.cancel()  # a no-op once it is done; else the client left or the server stops
 

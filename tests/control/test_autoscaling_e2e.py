@@ -171,6 +171,10 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     assert min(first_token for _, first_token in replies) >= cold_start * 0.5
     assert metric(fleet.control + "/metrics", "ember_autoscaler_decisions_total", model="tiny", reason="activate") >= 1
     assert fleet.states() == ["ready"]
+    # The replica requires the fleet's service credential: only the gateway may use it.
+    (replica_url,) = [replica["url"] for replica in fleet.status()["models"]["tiny"]["replicas"]]
+    direct = httpx.post(replica_url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=10)
+    assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_api_key"
 
     # A burst: 12 requests for one replica of 2 slots. The queue overflows, panic starts a second
     # replica (the gateway admits it once healthy), and every request succeeds.

@@ -18,9 +18,11 @@ from gateway_harness import FakeReplica, GatewayServer, gateway_config, http  # 
 from ember.control.autoscaling.provider import GatewayAdmin, LocalProcessProvider, ReplicaState  # noqa: E402
 from ember.control.fleet import AutoscaledModel, ChildSpec  # noqa: E402
 from ember.gateway.admin import CONTROL_TOKEN_ENV  # noqa: E402
-from ember.gateway.config import AutoscalingConfig  # noqa: E402
+from ember.gateway.config import FLEET_CREDENTIAL_ENV, AutoscalingConfig  # noqa: E402
+from ember.server.settings import API_KEY_ENV  # noqa: E402
 
 TOKEN = "provider-test-token"
+CREDENTIAL = "fleet-credential-for-tests"
 
 
 class FakeSupervisor:
@@ -28,8 +30,10 @@ class FakeSupervisor:
 
     def __init__(self) -> None:
         self.running: dict[str, FakeReplica] = {}
+        self.specs: list[ChildSpec] = []
 
     def add_child(self, spec: ChildSpec) -> None:
+        self.specs.append(spec)
         port = int(spec.argv[spec.argv.index("--port") + 1])
         self.running[spec.name] = FakeReplica(spec.name, port).start()
 
@@ -44,6 +48,7 @@ class FakeSupervisor:
 @pytest.fixture
 def gateway(tmp_path, monkeypatch):
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(FLEET_CREDENTIAL_ENV, CREDENTIAL)  # what ember up hands its gateway
     model = {"deployments": [{"replicas": []}],
              "autoscaling": {"min_replicas": 0, "max_replicas": 2, "ttft_p90_ms": 1000, "itl_p90_ms": 100}}  # fmt: skip
     server = GatewayServer(gateway_config({"tiny": model}, [{"name": "k", "secret": "sk"}]), tmp_path)
@@ -64,7 +69,8 @@ async def test_start_register_forget_resync_and_stop_with_drain(gateway):
     autoscaling = AutoscalingConfig(min_replicas=0, max_replicas=2, ttft_p90_ms=1000, itl_p90_ms=100)
     models = {"tiny": AutoscaledModel("tiny", autoscaling, ["serve", "--model", "m"], "127.0.0.1", 2, None)}
     supervisor = FakeSupervisor()
-    provider = LocalProcessProvider(supervisor, models, GatewayAdmin(gateway.url, TOKEN, drain_timeout_s=5), "fleet-credential", log=lambda line: None)
+    admin = GatewayAdmin(gateway.url, TOKEN, drain_timeout_s=5)
+    provider = LocalProcessProvider(supervisor, models, admin, log=lambda line: None, credential=CREDENTIAL)
     try:
         await provider.start()
         assert len(supervisor.running) == 1  # the standby, waiting
@@ -72,6 +78,9 @@ async def test_start_register_forget_resync_and_stop_with_drain(gateway):
         assert replica.state == ReplicaState.LOADING and len(supervisor.running) == 2  # and the next standby
         await wait_for(lambda: replica.state == ReplicaState.READY)
         assert gateway.dispatcher.pool.get(replica.id).healthy and replica.cold_start_s > 0
+        # The replica process gets the fleet's credential in its environment, and the gateway sends it.
+        assert all(spec.env[API_KEY_ENV] == CREDENTIAL and CREDENTIAL not in spec.argv for spec in supervisor.specs)
+        assert gateway.dispatcher.pool.get(replica.id).api_key == CREDENTIAL
 
         # The gateway loses it (as a restarted gateway would): the next resync registers it again.
         assert http.delete(f"{gateway.url}/admin/replicas/{replica.id}", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200

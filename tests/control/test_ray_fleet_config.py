@@ -41,7 +41,7 @@ def test_a_ray_section_loads_with_every_field_and_sets_the_replica_threads(tmp_p
         "head": {"num_cpus": 2, "num_gpus": None, "object_store_memory_mb": 100},
         "replica": {"num_cpus": 1.5, "num_gpus": 0.5, "memory_mb": 1024}, "health_interval_s": 0.5,
     }  # fmt: skip
-    argv = fleet.autoscaled["tiny"].argv
+    argv = fleet.autoscaled["tiny"].serve_args
     assert argv[argv.index("--num-threads") + 1] == "2"  # 1.5 CPUs granted by Ray, rounded up
 
 

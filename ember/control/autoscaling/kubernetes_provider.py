@@ -79,6 +79,12 @@ class KubernetesProvider:
 
     # --- the provider protocol -------------------------------------------------------------------
 
+    async def start(self) -> None:
+        """Nothing to prepare: the Deployment's pods are the replicas."""
+
+    async def resync(self) -> None:
+        """Nothing to re-register: the gateway finds the pods through their EndpointSlices itself."""
+
     async def start_replica(self, model: str) -> ManagedReplica:
         target = self.targets[model]
         replicas = await asyncio.to_thread(self._rescale, target, +1)

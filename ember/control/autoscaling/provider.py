@@ -33,6 +33,7 @@ import httpx
 from ember.control.autoscaling.standby import GO_FILE_ENV
 from ember.control.fleet import AutoscaledModel, ChildSpec
 from ember.control.supervisor import Supervisor
+from ember.gateway.config import FLEET_CREDENTIAL_ENV
 from ember.server.settings import API_KEY_ENV
 
 ADMIT_POLL_S = 0.2
@@ -83,23 +84,23 @@ class GatewayAdmin:
         )
 
     async def register(
-        self, replica: ManagedReplica, capacity: int, region: str | None, api_key: str | None = None
+        self, replica: ManagedReplica, capacity: int, region: str | None, api_key_env: str | None = None
     ) -> bool:
-        """Registers the replica (`api_key`: what the gateway sends it); True once the gateway has admitted it."""
-        body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region}
-        if api_key is not None:
-            body["api_key"] = api_key
+        """Registers the replica; True once the gateway has admitted it. `api_key_env`: the variable of
+        the gateway's environment that holds the key the replica requires."""
+        body = {"model": replica.model, "url": replica.url, "id": replica.id, "capacity": capacity, "region": region,
+                "api_key_env": api_key_env}  # fmt: skip
         response = await self._client.post("/admin/replicas", json=body)
         response.raise_for_status()
         return response.json()["state"] == "ready"
 
     async def admit(
-        self, replica: ManagedReplica, capacity: int, region: str | None, api_key: str | None = None
+        self, replica: ManagedReplica, capacity: int, region: str | None, api_key_env: str | None = None
     ) -> None:
         """Registers the replica and returns once the gateway has admitted it (its first passing probe)."""
         admitted = False
         with contextlib.suppress(httpx.HTTPError):  # a gateway restarting: the loop below asks again
-            admitted = await self.register(replica, capacity, region, api_key)
+            admitted = await self.register(replica, capacity, region, api_key_env)
         while not admitted:
             await asyncio.sleep(ADMIT_POLL_S)
             with contextlib.suppress(httpx.HTTPError):
@@ -149,13 +150,15 @@ class LocalProcessProvider:
         supervisor: Supervisor,
         models: dict[str, AutoscaledModel],
         gateway: GatewayAdmin,
-        credential: str,
         log: Callable[[str], None] = print,
+        credential: str | None = None,
     ):
+        """`credential`: the fleet's service credential; the replicas then require it, and the gateway
+        (which holds it in FLEET_CREDENTIAL_ENV) sends it to them."""
         self.supervisor = supervisor
+        self.credential = credential
         self.models = models
         self.gateway = gateway
-        self.credential = credential  # the fleet's service credential: each replica's only key
         self.log = log
         self._replicas: dict[str, ManagedReplica] = {}
         self._admissions: dict[str, asyncio.Task] = {}  # replicas still loading
@@ -175,7 +178,9 @@ class LocalProcessProvider:
         argv = [sys.executable, "-m", "ember.control.autoscaling.standby", *how.serve_args,
                 "--host", how.host, "--port", str(port)]  # fmt: skip
         health_url = f"http://{how.host}:{port}/health"
-        env = {GO_FILE_ENV: str(standby.go_file), API_KEY_ENV: self.credential}
+        env = {GO_FILE_ENV: str(standby.go_file)}
+        if self.credential is not None:
+            env[API_KEY_ENV] = self.credential  # in the environment, never in argv (`ps` shows argv)
         self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, env))
         self._standbys[model] = standby
 
@@ -201,7 +206,8 @@ class LocalProcessProvider:
         """Waits for the process to serve, registers it, and marks it ready once the gateway admits it."""
         while not await self._healthy(replica.url + "/health"):
             await asyncio.sleep(ADMIT_POLL_S)
-        await self.gateway.admit(replica, how.capacity, how.region, api_key=self.credential)
+        api_key_env = FLEET_CREDENTIAL_ENV if self.credential is not None else None
+        await self.gateway.admit(replica, how.capacity, how.region, api_key_env=api_key_env)
         del self._admissions[replica.id]
         replica.state = ReplicaState.READY
         if replica.ready_at is None:

@@ -33,6 +33,7 @@ from ray.exceptions import RayActorError
 from ember.control.autoscaling.provider import GatewayAdmin, ManagedReplica, ReplicaState, free_port
 from ember.control.fleet import AutoscaledModel, Fleet, LaunchRay
 from ember.control.supervisor import _describe_exit, _die_with_parent
+from ember.gateway.config import FLEET_CREDENTIAL_ENV
 from ember.server.settings import API_KEY_ENV
 
 MB = 1 << 20
@@ -180,7 +181,7 @@ class RayProvider:
         self._actors[replica.id] = actor.remote([sys.executable, "-m", "ember.cli", *how.serve_args], {API_KEY_ENV: self.credential})
         replica.url = await self._actors[replica.id].start.remote()  # once Ray has placed the actor
         self.log(f"ray: {replica.id} runs ember serve at {replica.url}")
-        await self.gateway.admit(replica, how.capacity, how.region, api_key=self.credential)
+        await self.gateway.admit(replica, how.capacity, how.region, api_key_env=FLEET_CREDENTIAL_ENV)
         del self._admissions[replica.id]
         self._failed_starts.pop(replica.model, None)
         replica.state = ReplicaState.READY
