@@ -91,10 +91,14 @@ class GatewayAdmin:
             with contextlib.suppress(httpx.HTTPError):
                 admitted = await self.is_admitted(replica.id)
 
-    async def is_admitted(self, replica_id: str) -> bool:
+    async def states(self) -> dict[str, str]:
+        """Replica id -> its state in the gateway (ready, ejected, draining)."""
         response = await self._client.get("/admin/replicas")
         response.raise_for_status()
-        return any(item["id"] == replica_id and item["state"] == "ready" for item in response.json()["data"])
+        return {item["id"]: item["state"] for item in response.json()["data"]}
+
+    async def is_admitted(self, replica_id: str) -> bool:
+        return (await self.states()).get(replica_id) == "ready"
 
     async def deregister(self, replica_id: str, timeout_s: float | None = None) -> None:
         """Out of routing at once; returns when its requests have finished (or the drain timed out
