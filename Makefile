@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test fuzz lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The long fuzz run (docs/testing.md); `make test` runs the same tests with 100 examples each.
+fuzz: $(STAMP)
+	EMBER_FUZZ_EXAMPLES=5000 $(BIN)/python -m pytest -q tests/fuzz
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "up",
     "fleet",
     "deploy",
+    "simulate",
     "keys",
     "bench",
 ]

@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import shlex
+    import sys
 
     from ember.control.fleet import load_fleet
 
@@ -44,12 +45,12 @@ def run(args: argparse.Namespace) -> int:
         ray = fleet.launch.ray
         for name, model in fleet.autoscaled.items():
             scaling = model.autoscaling
+            command = shlex.join([sys.executable, "-m", "ember.cli", *model.serve_args])
             where = f"--host {model.host} --port <a free port>"
             if ray is not None:
                 where = (f"--host <its node> --port <a free port>  (a Ray actor, address {ray.address}, "
                          f"num_cpus {ray.replica.num_cpus:g}, num_gpus {ray.replica.num_gpus:g})")  # fmt: skip
-            print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): "
-                  f"{shlex.join(model.argv)} {where}")  # fmt: skip
+            print(f"{name} (autoscaled, {scaling.min_replicas}..{scaling.max_replicas} replicas): {command} {where}")
         return 0
     return asyncio.run(run_fleet(fleet))
 

@@ -152,7 +152,7 @@ class AutoscaledModel:
 
     name: str  # the model name clients use
     autoscaling: AutoscalingConfig
-    argv: list[str]  # `ember serve ...` without --host/--port, which each replica gets its own of
+    serve_args: list[str]  # `ember <serve_args>` without --host/--port, which each replica gets its own of
     host: str
     capacity: int
     region: str | None
@@ -247,12 +247,12 @@ def load_fleet(path: str | Path) -> Fleet:
         if not any(model.autoscaling for model in gateway.models.values()):
             raise FleetError(f"{path}: launch.ray: Ray runs the replicas of models with an autoscaling section; none has one")
         threads = max(1, math.ceil(launch.ray.replica.num_cpus))  # what Ray grants each replica
-    autoscaled = _autoscaled_models(path, gateway, launch, python, threads)
+    autoscaled = _autoscaled_models(path, gateway, launch, threads)
     return Fleet(path, gateway, launch, [gateway_child, *children], autoscaled, credential)
 
 
 def _autoscaled_models(
-    path: Path, gateway: GatewayConfig, launch: LaunchConfig, python: list[str], threads_per_replica: int
+    path: Path, gateway: GatewayConfig, launch: LaunchConfig, threads_per_replica: int
 ) -> dict[str, AutoscaledModel]:
     for name in launch.autoscaled:
         model = gateway.models.get(name)
@@ -271,10 +271,12 @@ def _autoscaled_models(
         source = how.model or upstream
         if not Path(source).is_absolute() and (path.parent / source).exists():
             source = str((path.parent / source).resolve())
-        argv = [*python, "serve", "--model", source, "--served-model-name", upstream]
+        serve_args = ["serve", "--model", source, "--served-model-name", upstream]
         if "--num-threads" not in how.args:
-            argv += ["--num-threads", str(threads_per_replica)]
-        models[name] = AutoscaledModel(name, model.autoscaling, [*argv, *how.args], how.host, how.capacity, how.region)
+            serve_args += ["--num-threads", str(threads_per_replica)]
+        models[name] = AutoscaledModel(
+            name, model.autoscaling, [*serve_args, *how.args], how.host, how.capacity, how.region
+        )
     return models
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import field_validator
 
 from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
@@ -35,6 +36,17 @@ CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
 
 class NewKey(KeyPolicy):
     name: str
+
+    @field_validator("name", "models")
+    @classmethod
+    def _storable_text(cls, value: str | list[str]) -> str | list[str]:
+        """JSON may escape a lone surrogate ("\\ud800"), which SQLite and JSON output cannot encode."""
+        for text in [value] if isinstance(value, str) else value:
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return value
 
 
 class ReplicaRegistration(ReplicaConfig):

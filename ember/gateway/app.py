@@ -10,7 +10,7 @@ Errors use OpenAI's shape everywhere.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
+from ember.gateway.proxy import UpstreamResult
 from ember.gateway.request_body import parse_json_object
 from ember.http_rules import (
     UNSUPPORTED_MEDIA_TYPE,
@@ -41,6 +42,8 @@ JSON_POST_PREFIXES = ("/v1/async/", "/v1/batches", "/admin/")
 SSE_HEADERS = [(b"content-type", sse.CONTENT_TYPE.encode())] + [
     (name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()
 ]
+KEEPALIVE_FRAME = b": waiting for a replica to start\n\n"
+HELD_KEEPALIVE_S = 5.0
 WATCH_AFTER_S = 0.02
 
 
@@ -127,6 +130,7 @@ class GatewayApp:
                 elif name == b"x-ember-session-id":
                     session = value.decode("latin-1")
         watcher: DisconnectWatcher | None = None
+        held_stream: HeldStream | None = None  # only for a stream that may wait for a cold start
         try:
             check_json_content_type(content_type)
             principal = self.dispatcher.authenticate(authorization)
@@ -135,7 +139,7 @@ class GatewayApp:
             watcher = DisconnectWatcher(receive, asyncio.current_task())
             if body.get("stream") is True:
                 watcher.start()
-            result = await self.dispatcher.dispatch(
+            dispatching = self.dispatcher.dispatch(
                 principal,
                 endpoint,
                 body,
@@ -145,10 +149,18 @@ class GatewayApp:
                 session_id=session,
                 raw_body=raw_body,
             )
+            if body.get("stream") is True and self.dispatcher.holds_for_a_replica(body.get("model")):
+                held_stream = HeldStream(send)
+                result = await held_stream.dispatch(dispatching)
+            else:
+                result = await dispatching
         except GatewayError as exc:
             if watcher is not None:
                 watcher.stop()
-            await send_error(send, exc)
+            if held_stream is not None and held_stream.opened:  # no status line left: the error is the last event
+                await send({"type": "http.response.body", "body": b"data: " + exc.to_json() + b"\n\n"})
+            else:
+                await send_error(send, exc)
             return
         except ClientDisconnected:
             return
@@ -160,6 +172,11 @@ class GatewayApp:
         headers = [(name.encode(), value.encode()) for name, value in result.headers.items()]
         headers.append((b"x-ember-replica", result.replica.id.encode()))
         try:
+            opened = held_stream is not None and held_stream.opened
+            if opened and not result.stream:  # the replica answered an error, not a stream
+                watcher.stop()
+                await send({"type": "http.response.body", "body": b"data: " + result.body.strip() + b"\n\n"})
+                return
             if not result.stream:
                 watcher.stop()
                 headers.append((b"content-length", str(len(result.body)).encode()))
@@ -167,8 +184,9 @@ class GatewayApp:
                 await send({"type": "http.response.body", "body": result.body})
                 return
             watcher.start()
-            headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if not opened:
+                headers = [header for header in headers if header[0] != b"content-type"] + SSE_HEADERS
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for payload in result.events():
                 await send({"type": "http.response.body", "body": sse.data_event(payload), "more_body": True})
             watcher.stop()
@@ -200,6 +218,33 @@ class GatewayApp:
                     413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
                 )
         return b"".join(chunks)
+
+
+class HeldStream:
+    """A stream held while its model scales from zero: if no replica has taken it after
+    HELD_KEEPALIVE_S, the SSE response opens (200, without the replica and rate-limit headers, which
+    are not known yet) and a comment is sent every HELD_KEEPALIVE_S so that the client and any proxy
+    in between keep the connection open; SSE clients ignore comments."""
+
+    __slots__ = ("send", "opened")
+
+    def __init__(self, send: Callable):
+        self.send = send
+        self.opened = False
+
+    async def dispatch(self, dispatching: Awaitable[UpstreamResult]) -> UpstreamResult:
+        task = asyncio.ensure_future(dispatching)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HELD_KEEPALIVE_S)
+                if done:
+                    return task.result()
+                if not self.opened:
+                    self.opened = True
+                    await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                await self.send({"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True})
+        finally:
+            task.cancel()  # a no-op once it is done; else the client left or the server stops
 
 
 class DisconnectWatcher:

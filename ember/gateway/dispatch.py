@@ -162,12 +162,14 @@ class Dispatcher:
         replica = self.router.select(ctx.model, ctx, exclude)
         return replica if replica is not None and replica.has_capacity else None
 
+    def holds_for_a_replica(self, model: object) -> bool:
+        """Whether a request for `model` now would be held while a replica starts (scale from zero)."""
+        config = self.config.models.get(model) if isinstance(model, str) else None
+        return config is not None and config.autoscaling is not None and not self.pool.healthy(model)
+
     def _hold_limit(self, model: str) -> int | None:
         """How many requests an autoscaled model with no ready replica holds (None: the queue's limit)."""
-        autoscaling = self.config.models[model].autoscaling
-        if autoscaling is None or self.pool.healthy(model):
-            return None
-        return autoscaling.hold_limit
+        return self.config.models[model].autoscaling.hold_limit if self.holds_for_a_replica(model) else None
 
     def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
         """The body for the replica: its model name, the engine priority of the request's tier in

@@ -32,7 +32,8 @@ class RequestContext:
                 return prompt[0]
             return ""
         parts: list[str] = []
-        for message in self.body.get("messages") or ():
+        messages = self.body.get("messages")
+        for message in messages if isinstance(messages, list) else ():  # the replica answers the 400
             if not isinstance(message, dict):
                 continue
             parts.append(str(message.get("role", "")))

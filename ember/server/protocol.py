@@ -9,13 +9,26 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI caps top_logprobs at 20; completions' logprobs at 5, vLLM allows up to 20 for both.
 MAX_LOGPROBS = 20
 MAX_N = 128
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+def _encodable(text: str) -> str:
+    # JSON may escape a lone surrogate ("\\ud800"): Python keeps it, no tokenizer can encode it.
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return text
+
+
+# Text that reaches the tokenizer (prompts, message contents and names).
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -72,15 +85,15 @@ class SamplingFields(BaseModel):
 
 class TextContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -115,7 +128,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
+Prompt = Text | list[Text] | list[NonNegativeInt] | list[list[NonNegativeInt]]
 
 
 class CompletionRequest(SamplingFields):
@@ -303,7 +316,7 @@ class ModelList(BaseModel):
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

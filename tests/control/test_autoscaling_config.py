@@ -3,6 +3,7 @@ a bad one fails before anything starts, naming the dotted path of the bad field.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,9 @@ def test_an_autoscaled_model_loads_with_every_field_and_its_replica_command(tmp_
     fleet = load_fleet(path)
     tiny = fleet.autoscaled["tiny"]
     assert list(fleet.autoscaled) == ["tiny"] and tiny.capacity == 4 and tiny.host == "127.0.0.1"
-    assert tiny.argv[3:9] == ["serve", "--model", str(tmp_path / "tiny-model"), "--served-model-name", "tiny-v1",
-                              "--num-threads"]  # fmt: skip
-    assert tiny.argv[-2:] == ["--dtype", "float32"]
+    assert tiny.serve_args[:6] == ["serve", "--model", str(tmp_path / "tiny-model"), "--served-model-name", "tiny-v1",
+                                   "--num-threads"]  # fmt: skip
+    assert tiny.serve_args[-2:] == ["--dtype", "float32"]
     assert fleet.launch.autoscaler.interval_s == 0.5 and fleet.launch.autoscaler.port == 18690
     # Only the gateway and the static replica start with the fleet; autoscaled ones start on demand.
     assert [child.name for child in fleet.children] == ["gateway", "replica-18601"]
@@ -125,3 +126,18 @@ def test_launch_autoscaled_names_only_autoscaled_models(tmp_path):
     data["launch"]["autoscaler"]["interval_s"] = 0
     with pytest.raises(FleetError, match=r"launch\.autoscaler\.interval_s: Input should be greater than 0"):
         load_fleet(write(tmp_path, data))
+
+
+def test_print_commands_shows_the_autoscaled_replica_command_and_fleet_status_needs_the_port(tmp_path, capsys):
+    from ember.cli import main
+
+    (tmp_path / "tiny-model").mkdir()
+    data = fleet_data()
+    path = write(tmp_path, data)
+    assert main(["up", str(path), "--print-commands"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"tiny (autoscaled, 0..3 replicas): {sys.executable} -m ember.cli serve --model ")
+    assert last.endswith("--dtype float32 --host 127.0.0.1 --port <a free port>")
+    del data["launch"]["autoscaler"]["port"]
+    assert main(["fleet", "status", str(write(tmp_path, data))]) == 2
+    assert "launch.autoscaler.port" in capsys.readouterr().err

@@ -115,7 +115,8 @@ def test_scale_to_zero_after_idle_and_any_request_restarts_the_idle_clock():
 
 
 def test_max_replicas_caps_every_rule():
-    assert policy(max_replicas=3).decide(observe(0, 2, panic=5.0)) == Decision(3, "max_replicas", "panic wanted 10")
+    decision = policy(max_replicas=3).decide(observe(0, 2, panic=5.0))
+    assert decision == Decision(3, "panic", "ttft at 5.00x on 2 ready; wanted 10, capped at max_replicas")
 
 
 def run_plant(scaler: AutoscalingPolicy, demand, seconds: int, load_time_s: int = 5) -> list[tuple[int, int, int]]:
@@ -160,3 +161,29 @@ def test_a_square_wave_load_scales_with_each_burst_and_back_the_same_decisions_e
     assert all(to == 3 for _, _, to in ups)
     # Between bursts it steps 3 -> 2 -> 1, each step a scale_down_delay_s apart, never below min.
     assert [(frm, to) for _, frm, to in downs] == [(3, 2), (2, 1)] * 2
+
+
+def test_latencies_of_requests_held_through_a_cold_start_do_not_scale_up():
+    scaler = policy(min_replicas=0)
+    assert scaler.decide(observe(0, 0, queued=3)).reason == "activate"
+    assert scaler.decide(observe(5, 0, loading=1, queued=3)).desired == 1
+    # Ready at 8 s; the held requests report their 8 s wait as TTFT (8x the objective).
+    for now in range(8, 20):
+        assert scaler.decide(observe(now, 1, in_flight=3, requests_total=now, stable=8.0, panic=8.0)).desired == 1
+    # Two panic windows after the change the panic window speaks for the current capacity again.
+    assert scaler.decide(observe(20, 1, in_flight=3, requests_total=20, stable=8.0, panic=8.0)).reason == "panic"
+
+
+def test_a_recorded_run_replays_to_the_same_decisions():
+    import json
+    from dataclasses import asdict
+
+    from ember.control.autoscaling.policy import observation_from_dict
+
+    scaler = policy(min_replicas=0)
+    script = [observe(0, 0, queued=2), observe(3, 0, loading=1, queued=2), observe(9, 1, in_flight=2, stable=0.4),
+              observe(30, 1, requests_total=2), observe(200, 1, requests_total=2)]  # fmt: skip
+    recorded = json.loads(json.dumps([(asdict(obs), asdict(scaler.decide(obs))) for obs in script]))
+    replay = policy(min_replicas=0)
+    assert [asdict(replay.decide(observation_from_dict(obs))) for obs, _ in recorded] == [d for _, d in recorded]
+    assert [d["reason"] for _, d in recorded] == ["activate", "activate", "hold", "hold", "scale_to_zero"]

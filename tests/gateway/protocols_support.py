@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -100,7 +100,7 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 
 def start_ember_serve(
-    model_dir: Path, log_path: Path, max_model_len: int = 1024, extra_args: tuple[str, ...] = ()
+    model_dir: Path, log_path: Path, max_model_len: int = 1024, extra_args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [

@@ -137,3 +137,32 @@ def test_bad_registrations_answer_openai_shaped_errors(gateway, fake):
     assert again.status_code == 409 and again.json()["error"]["code"] == "replica_exists"
     missing = http.delete(gateway.url + "/admin/replicas/nope", headers=CONTROL)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "replica_not_found"
+
+
+def test_a_held_stream_gets_keep_alive_comments_until_a_replica_joins(gateway, fake, monkeypatch):
+    import ember.gateway.app
+
+    monkeypatch.setattr(ember.gateway.app, "HELD_KEEPALIVE_S", 0.2)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=AUTH) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = response.iter_lines()
+        assert [next(lines), next(lines)] == [": waiting for a replica to start", ""]
+        assert register(gateway.url, fake).status_code == 201
+        rest = [line for line in lines if line and not line.startswith(":")]
+    assert rest[-1] == "data: [DONE]" and len(rest) == 4  # the three chunks of the fake replica, then [DONE]
+    assert "from" in rest[1]
+
+
+def test_a_held_stream_that_passes_its_deadline_ends_with_an_error_event(gateway, monkeypatch):
+    import ember.gateway.app
+
+    monkeypatch.setattr(ember.gateway.app, "HELD_KEEPALIVE_S", 0.2)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {**AUTH, "x-ember-deadline-ms": "700"}
+    response = http.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200
+    events = [line for line in response.text.split("\n\n") if line]
+    assert events[0] == ": waiting for a replica to start"
+    assert events[-1].startswith("data: ") and '"code":"deadline_exceeded"' in events[-1]
+    assert all(event == ": waiting for a replica to start" for event in events[:-1])

@@ -105,6 +105,16 @@ def test_low_overlap_counts_as_a_miss_and_short_prompts_go_by_load():
     assert route(router, short) == ("r1", "no-prefix")
 
 
+def test_malformed_messages_are_routed_by_load_for_the_replica_to_refuse():
+    # `"messages": true` was a TypeError (a 500) in the routing's prompt text; found by fuzzing.
+    router, pool = make_router()
+    r0, r1, r2 = pool.replicas("tiny")
+    r0.outstanding, r1.outstanding, r2.outstanding = 2, 1, 0
+    for messages in (True, 5, {"role": "user"}, "text"):
+        ctx = RequestContext("tiny", "chat/completions", {"messages": messages}, "key", 0)
+        assert ctx.prompt_text == "" and route(router, ctx) == ("r2", "no-prefix")
+
+
 def test_token_id_prompts_are_routed_by_their_shared_token_prefix():
     router, _ = make_router()
     shared = list(range(1000, 1060))

@@ -67,6 +67,24 @@ def test_bad_json_is_400(post):
 
 
 @pytest.mark.parametrize(
+    "path, text_field",
+    [
+        ("/v1/completions", '"prompt": "\\ud800"'),
+        ("/v1/completions", '"prompt": ["ok", "\\udfff"]'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud800"}]'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "name": "\\ud800", "content": "hi"}]'),
+        ("/tokenize", '"prompt": "\\ud800"'),
+    ],
+)
+def test_lone_surrogates_are_400(post, path, text_field):
+    # Valid JSON escapes that no tokenizer can encode: these were 500s (found by fuzzing).
+    body = f'{{"model": "{MODEL_NAME}", "max_tokens": 2, {text_field}}}'
+    error = assert_error(post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert "lone surrogate" in error["message"]
+
+
+@pytest.mark.parametrize(
     "path, body, param",
     [
         ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, "max_tokens"),

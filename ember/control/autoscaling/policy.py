@@ -20,7 +20,11 @@ decisions. The rules, in order:
 6. scale to zero (min_replicas 0): no request arrived, ran or waited for `scale_to_zero_after_s`.
 
 Replicas still loading are never capacity: ratios are taken over ready replicas only. They do
-count as already started, so a breach waiting for them to load does not start more.
+count as already started, so a breach waiting for them to load does not start more. Latencies
+observed across a change in the ready count describe the old capacity (requests held through a cold
+start report the cold start as their TTFT, a little after the change): for two panic windows after
+the change (one for those requests to get their first tokens, one for the window to forget them)
+only the queue rules scale up.
 """
 
 from __future__ import annotations
@@ -67,11 +71,23 @@ class Observation:
     replicas: tuple[ReplicaLoad, ...] = ()
 
 
+def observation_from_dict(data: dict) -> Observation:
+    """The inverse of dataclasses.asdict(observation), for replaying a recorded run (JSON)."""
+    return Observation(
+        **{
+            **data,
+            "stable": WindowLatency(**data["stable"]),
+            "panic": WindowLatency(**data["panic"]),
+            "replicas": tuple(ReplicaLoad(**replica) for replica in data["replicas"]),
+        }
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     desired: int
     reason: str  # min_replicas | activate | panic | slo_ttft | slo_itl | slo_queue_wait | queue |
-    #              scale_down | scale_to_zero | hold | max_replicas
+    #              scale_down | scale_to_zero | hold
     detail: str = ""  # the numbers behind it, for the decision log
 
 
@@ -85,12 +101,15 @@ class AutoscalingPolicy:
         self._panic_until = -math.inf
         self._last_activity: float | None = None
         self._last_requests_total: float | None = None
+        self._last_ready: int | None = None
+        self._ready_changed_at = -math.inf
 
     def decide(self, obs: Observation) -> Decision:
         decision = self._decide(obs)
         config = self.config
         if decision.desired > config.max_replicas:
-            return Decision(config.max_replicas, "max_replicas", f"{decision.reason} wanted {decision.desired}")
+            detail = f"{decision.detail}; wanted {decision.desired}, capped at max_replicas"
+            return Decision(config.max_replicas, decision.reason, detail)
         return decision
 
     def _decide(self, obs: Observation) -> Decision:
@@ -102,6 +121,10 @@ class AutoscalingPolicy:
         self._last_requests_total = obs.requests_total
         concurrency = obs.in_flight + obs.queued
         slots_needed = math.ceil(concurrency / obs.capacity_per_replica)
+        if self._last_ready is not None and obs.ready != self._last_ready:
+            self._ready_changed_at = obs.now
+        self._last_ready = obs.ready
+        latencies_current = obs.now - self._ready_changed_at >= 2 * config.panic_window_s
 
         if current < config.min_replicas:
             return Decision(config.min_replicas, "min_replicas", f"{current} running")
@@ -110,7 +133,7 @@ class AutoscalingPolicy:
         if obs.ready == 0:  # nothing serves and nothing waits: latencies left in the windows are stale
             return Decision(current, "hold")
 
-        panic_ratio, panic_worst = self._worst_ratio(obs.panic)
+        panic_ratio, panic_worst = self._worst_ratio(obs.panic) if latencies_current else (0.0, "none")
         queue_overflows = obs.ready > 0 and obs.queued >= obs.ready * obs.capacity_per_replica
         if panic_ratio >= PANIC_RATIO or queue_overflows:
             self._panic_until = obs.now + config.stable_window_s
@@ -119,7 +142,7 @@ class AutoscalingPolicy:
             why = f"{panic_worst} at {panic_ratio:.2f}x" if panic_ratio >= PANIC_RATIO else f"{obs.queued} queued"
             return Decision(max(current, target), "panic", f"{why} on {obs.ready} ready")
 
-        stable_ratio, stable_worst = self._worst_ratio(obs.stable)
+        stable_ratio, stable_worst = self._worst_ratio(obs.stable)  # scale down weighs it even when stale
         breach_ratio = min(stable_ratio, panic_ratio)
         if breach_ratio > 1.0 or slots_needed > obs.ready:
             self._scale_down_ok_since = None

@@ -8,6 +8,10 @@ A replica is `loading` from its start until the gateway has admitted it (its fir
 probe), `ready` while the gateway routes to it, `draining` from its stop until its process exits.
 `LocalProcessProvider` runs `ember serve` processes on free local ports under `ember up`'s
 supervisor; Kubernetes or Ray providers implement the same protocol.
+
+To shorten cold starts, the local provider keeps one standby process per autoscaled model (while the
+model is below max_replicas): `ember serve`'s imports done, its port chosen, waiting for its go file
+(ember.control.autoscaling.standby). Starting a replica creates that file and spawns the next standby.
 """
 
 from __future__ import annotations
@@ -15,13 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Protocol
 
 import httpx
 
+from ember.control.autoscaling.standby import GO_FILE_ENV
 from ember.control.fleet import AutoscaledModel, ChildSpec
 from ember.control.supervisor import Supervisor
 
@@ -50,6 +59,10 @@ class ManagedReplica:
 
 
 class ReplicaProvider(Protocol):
+    async def start(self) -> None: ...
+
+    async def resync(self) -> None: ...  # each round, before the replicas are counted
+
     async def start_replica(self, model: str) -> ManagedReplica: ...
 
     async def stop_replica(self, replica_id: str) -> None: ...
@@ -120,10 +133,23 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class _Standby:
+    port: int
+    process_name: str  # the supervisor's child name
+    go_file: Path
+
+
 class LocalProcessProvider:
     """`ember serve` processes on free local ports, supervised (restarted if they crash) by `ember up`."""
 
-    def __init__(self, supervisor: Supervisor, models: dict[str, AutoscaledModel], gateway: GatewayAdmin, log=print):
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        models: dict[str, AutoscaledModel],
+        gateway: GatewayAdmin,
+        log: Callable[[str], None] = print,
+    ):
         self.supervisor = supervisor
         self.models = models
         self.gateway = gateway
@@ -131,20 +157,40 @@ class LocalProcessProvider:
         self._replicas: dict[str, ManagedReplica] = {}
         self._admissions: dict[str, asyncio.Task] = {}  # replicas still loading
         self._process_names: dict[str, str] = {}  # replica id -> the supervisor's child name
+        self._standbys: dict[str, _Standby] = {}  # model -> its process waiting to serve
+        self._go_files = tempfile.TemporaryDirectory(prefix="ember-standby-")
         self._probe = httpx.AsyncClient(timeout=2.0)
+
+    async def start(self) -> None:
+        for model in self.models:
+            self._spawn_standby(model)
+
+    def _spawn_standby(self, model: str) -> None:
+        how = self.models[model]
+        port = free_port(how.host)
+        standby = _Standby(port, f"replica-{port}", Path(self._go_files.name) / f"{port}.go")
+        argv = [sys.executable, "-m", "ember.control.autoscaling.standby", *how.serve_args,
+                "--host", how.host, "--port", str(port)]  # fmt: skip
+        health_url = f"http://{how.host}:{port}/health"
+        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, {GO_FILE_ENV: str(standby.go_file)}))
+        self._standbys[model] = standby
 
     async def start_replica(self, model: str) -> ManagedReplica:
         how = self.models[model]
-        port = free_port(how.host)
+        standby = self._standbys.pop(model, None)
+        if standby is None:  # none waiting (all were used): one that starts at once
+            self._spawn_standby(model)
+            standby = self._standbys.pop(model)
+        standby.go_file.touch()
         replica = ManagedReplica(
-            id=f"{model}-{port}", model=model, url=f"http://{how.host}:{port}", state=ReplicaState.LOADING,
-            started_at=time.monotonic(),
+            id=f"{model}-{standby.port}", model=model, url=f"http://{how.host}:{standby.port}",
+            state=ReplicaState.LOADING, started_at=time.monotonic(),
         )  # fmt: skip
         self._replicas[replica.id] = replica
-        argv = [*how.argv, "--host", how.host, "--port", str(port)]
-        self._process_names[replica.id] = f"replica-{port}"
-        self.supervisor.add_child(ChildSpec(f"replica-{port}", argv, replica.url + "/health"))
+        self._process_names[replica.id] = standby.process_name
         self._admissions[replica.id] = asyncio.create_task(self._admit(replica, how), name=f"admit-{replica.id}")
+        if len(self.list_replicas(model)) < how.autoscaling.max_replicas:
+            self._spawn_standby(model)
         return replica
 
     async def _admit(self, replica: ManagedReplica, how: AutoscaledModel) -> None:
@@ -154,8 +200,11 @@ class LocalProcessProvider:
         await self.gateway.admit(replica, how.capacity, how.region)
         del self._admissions[replica.id]
         replica.state = ReplicaState.READY
-        replica.ready_at = time.monotonic()
-        self.log(f"{replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        if replica.ready_at is None:
+            replica.ready_at = time.monotonic()
+            self.log(f"{replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        else:
+            self.log(f"{replica.id} admitted by the gateway again")
 
     async def _healthy(self, url: str) -> bool:
         with contextlib.suppress(httpx.HTTPError):
@@ -175,9 +224,22 @@ class LocalProcessProvider:
         finally:
             await self.supervisor.remove_child(self._process_names.pop(replica_id))
             del self._replicas[replica_id]
+            if replica.model not in self._standbys:  # below max_replicas again: ready the next start
+                self._spawn_standby(replica.model)
 
     def list_replicas(self, model: str | None = None) -> list[ManagedReplica]:
         return [replica for replica in self._replicas.values() if model is None or replica.model == model]
+
+    async def resync(self) -> None:
+        """Registers again the ready replicas the gateway does not know (a gateway restarted by the
+        supervisor knows only its config); they count as loading until it admits them again."""
+        known = await self.gateway.states()
+        for replica in self.list_replicas():
+            if replica.state == ReplicaState.READY and replica.id not in known:
+                self.log(f"{replica.id} is unknown to the gateway (restarted?): registering it again")
+                replica.state = ReplicaState.LOADING
+                how = self.models[replica.model]
+                self._admissions[replica.id] = asyncio.create_task(self._admit(replica, how), name=f"admit-{replica.id}")
 
     async def close(self) -> None:
         """Stops admitting; the supervisor stops the processes themselves with the rest of the fleet."""
@@ -186,3 +248,4 @@ class LocalProcessProvider:
         await asyncio.gather(*self._admissions.values(), return_exceptions=True)
         await self._probe.aclose()
         await self.gateway.close()
+        self._go_files.cleanup()

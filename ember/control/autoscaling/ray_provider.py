@@ -23,6 +23,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -190,7 +191,8 @@ class RayProvider:
         if request.memory_mb is not None:
             options["memory"] = request.memory_mb * MB
         actor = ServeActor.options(name=f"ember-{replica.id}", namespace=self.settings.namespace, **options)
-        self._actors[replica.id] = actor.remote(how.argv, {API_KEY_ENV: self.credential})
+        argv = [sys.executable, "-m", "ember.cli", *how.serve_args]  # the nodes run ember where this one does
+        self._actors[replica.id] = actor.remote(argv, {API_KEY_ENV: self.credential})
         replica.url = await self._actors[replica.id].start.remote()  # once Ray has placed the actor
         self.log(f"ray: {replica.id} runs ember serve at {replica.url}")
         await self._register(replica)
