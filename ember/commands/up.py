@@ -80,6 +80,6 @@ async def run_fleet(fleet) -> int:
 
         provider = await RayProvider.connect(fleet, admin, log=supervisor.log)
     else:
-        provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, log=supervisor.log)
+        provider = LocalProcessProvider(supervisor, fleet.autoscaled, admin, fleet.credential, log=supervisor.log)
     supervisor.services.append(Autoscaler(fleet, provider, log=supervisor.log))
     return await supervisor.run()

@@ -64,7 +64,7 @@ async def test_start_register_forget_resync_and_stop_with_drain(gateway):
     autoscaling = AutoscalingConfig(min_replicas=0, max_replicas=2, ttft_p90_ms=1000, itl_p90_ms=100)
     models = {"tiny": AutoscaledModel("tiny", autoscaling, ["serve", "--model", "m"], "127.0.0.1", 2, None)}
     supervisor = FakeSupervisor()
-    provider = LocalProcessProvider(supervisor, models, GatewayAdmin(gateway.url, TOKEN, drain_timeout_s=5), log=lambda line: None)
+    provider = LocalProcessProvider(supervisor, models, GatewayAdmin(gateway.url, TOKEN, drain_timeout_s=5), "fleet-credential", log=lambda line: None)
     try:
         await provider.start()
         assert len(supervisor.running) == 1  # the standby, waiting

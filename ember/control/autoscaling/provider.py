@@ -33,6 +33,7 @@ import httpx
 from ember.control.autoscaling.standby import GO_FILE_ENV
 from ember.control.fleet import AutoscaledModel, ChildSpec
 from ember.control.supervisor import Supervisor
+from ember.server.settings import API_KEY_ENV
 
 ADMIT_POLL_S = 0.2
 
@@ -105,7 +106,7 @@ class GatewayAdmin:
                 admitted = await self.is_admitted(replica.id)
 
     async def states(self) -> dict[str, str]:
-        """Replica id -> its state in the gateway (ready, ejected, draining)."""
+        """Replica id -> its state in the gateway (loading, ready, ejected, draining)."""
         response = await self._client.get("/admin/replicas")
         response.raise_for_status()
         return {item["id"]: item["state"] for item in response.json()["data"]}
@@ -148,11 +149,13 @@ class LocalProcessProvider:
         supervisor: Supervisor,
         models: dict[str, AutoscaledModel],
         gateway: GatewayAdmin,
+        credential: str,
         log: Callable[[str], None] = print,
     ):
         self.supervisor = supervisor
         self.models = models
         self.gateway = gateway
+        self.credential = credential  # the fleet's service credential: each replica's only key
         self.log = log
         self._replicas: dict[str, ManagedReplica] = {}
         self._admissions: dict[str, asyncio.Task] = {}  # replicas still loading
@@ -172,7 +175,8 @@ class LocalProcessProvider:
         argv = [sys.executable, "-m", "ember.control.autoscaling.standby", *how.serve_args,
                 "--host", how.host, "--port", str(port)]  # fmt: skip
         health_url = f"http://{how.host}:{port}/health"
-        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, {GO_FILE_ENV: str(standby.go_file)}))
+        env = {GO_FILE_ENV: str(standby.go_file), API_KEY_ENV: self.credential}
+        self.supervisor.add_child(ChildSpec(standby.process_name, argv, health_url, env))
         self._standbys[model] = standby
 
     async def start_replica(self, model: str) -> ManagedReplica:
@@ -197,7 +201,7 @@ class LocalProcessProvider:
         """Waits for the process to serve, registers it, and marks it ready once the gateway admits it."""
         while not await self._healthy(replica.url + "/health"):
             await asyncio.sleep(ADMIT_POLL_S)
-        await self.gateway.admit(replica, how.capacity, how.region)
+        await self.gateway.admit(replica, how.capacity, how.region, api_key=self.credential)
         del self._admissions[replica.id]
         replica.state = ReplicaState.READY
         if replica.ready_at is None:
