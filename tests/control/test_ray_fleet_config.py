@@ -41,8 +41,8 @@ def test_a_ray_section_loads_with_every_field_and_sets_the_replica_threads(tmp_p
         "head": {"num_cpus": 2, "num_gpus": None, "object_store_memory_mb": 100},
         "replica": {"num_cpus": 1.5, "num_gpus": 0.5, "memory_mb": 1024}, "health_interval_s": 0.5,
     }  # fmt: skip
-    argv = fleet.autoscaled["tiny"].serve_args
-    assert argv[argv.index("--num-threads") + 1] == "2"  # 1.5 CPUs granted by Ray, rounded up
+    args = fleet.autoscaled["tiny"].serve_args
+    assert args[args.index("--num-threads") + 1] == "2"  # 1.5 CPUs granted by Ray, rounded up
 
 
 @pytest.mark.parametrize("address", ["auto", "local", "ray://head.example:10001", "10.0.0.5:6379"])

@@ -172,6 +172,18 @@ async def test_replicas_as_ray_actors_serve_survive_a_killed_process_and_scale_1
             ray.get_actor(f"ember-{replacement.id}", namespace=NAMESPACE)
         assert await chat(client, "one left?") == first.id
 
+        # A gateway that no longer knows a ready replica (it restarted): resync registers it again.
+        async with httpx.AsyncClient(timeout=30) as control:
+            forgotten = await control.delete(f"{fleet.gateway_url}/admin/replicas/{first.id}",
+                                             headers={"authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        assert forgotten.status_code == 200 and await gateway_replicas(fleet) == {}
+        await provider.resync()
+        assert first.state == ReplicaState.LOADING
+        await wait_for(lambda: _ready(provider, 1), "the replica to be admitted again")
+        assert await gateway_replicas(fleet) == {first.id: "ready"}
+        assert f"ray: {first.id} admitted again by the gateway" in log
+        assert await chat(client, "back?") == first.id
+
         # A replica that dies before its admission is replaced after the restart backoff, doubling.
         broken = await provider.start_replica("broken")
         await wait_for(lambda: _logged(log, "replaced by broken-", 3), "three replacements of the broken replica")

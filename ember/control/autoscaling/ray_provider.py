@@ -6,7 +6,8 @@ fleet's service credential as its API key). The provider registers the replica w
 soon as its address is known (the gateway admits it at its first passing health probe), stops it by
 deregistering it first (the gateway drains it) and then stopping the process and the actor, and every
 `launch.ray.health_interval_s` asks each actor whether its process still runs: a replica whose process
-exited or whose actor died (its node gone, `ray.kill`) leaves the gateway and is replaced.
+exited or whose actor died (its node gone, `ray.kill`) leaves the gateway and is replaced. `resync()`
+(each autoscaler round) registers again the ready replicas a restarted gateway no longer knows.
 
 The actors are owned by `ember up`'s Ray driver, not detached: the provider alone registers them with
 the gateway and watches them, so when `ember up` ends (or dies) Ray ends them with it instead of
@@ -138,6 +139,19 @@ class RayProvider:
         """Asks Ray for the actor and returns at once: `url` stays empty until Ray has placed it."""
         return self._start(model, delay_s=0.0)
 
+    async def start(self) -> None:
+        """Nothing to prepare ahead: Ray starts an actor when a replica is asked for."""
+
+    async def resync(self) -> None:
+        """Registers again the ready replicas the gateway does not know (a restarted gateway knows only
+        its config); they count as loading until it admits them again."""
+        known = await self.gateway.states()
+        for replica in self.list_replicas():
+            if replica.state == ReplicaState.READY and replica.id not in known:
+                self.log(f"ray: {replica.id} is unknown to the gateway (restarted?): registering it again")
+                replica.state = ReplicaState.LOADING
+                self._admissions[replica.id] = asyncio.create_task(self._register(replica), name=f"admit-{replica.id}")
+
     async def stop_replica(self, replica_id: str) -> None:
         """Out of the gateway first (its requests finish there), then the process and the actor."""
         await self._retire(replica_id, drain=True)
@@ -178,15 +192,24 @@ class RayProvider:
         if request.memory_mb is not None:
             options["memory"] = request.memory_mb * MB
         actor = ServeActor.options(name=f"ember-{replica.id}", namespace=self.settings.namespace, **options)
-        self._actors[replica.id] = actor.remote([sys.executable, "-m", "ember.cli", *how.serve_args], {API_KEY_ENV: self.credential})
+        argv = [sys.executable, "-m", "ember.cli", *how.serve_args]  # the nodes run ember where this one does
+        self._actors[replica.id] = actor.remote(argv, {API_KEY_ENV: self.credential})
         replica.url = await self._actors[replica.id].start.remote()  # once Ray has placed the actor
         self.log(f"ray: {replica.id} runs ember serve at {replica.url}")
+        await self._register(replica)
+
+    async def _register(self, replica: ManagedReplica) -> None:
+        """Has the gateway admit the replica (it requires the fleet credential), then marks it ready."""
+        how = self.models[replica.model]
         await self.gateway.admit(replica, how.capacity, how.region, api_key_env=FLEET_CREDENTIAL_ENV)
         del self._admissions[replica.id]
         self._failed_starts.pop(replica.model, None)
         replica.state = ReplicaState.READY
-        replica.ready_at = time.monotonic()
-        self.log(f"ray: {replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        if replica.ready_at is None:  # not a re-registration: its cold start ends here
+            replica.ready_at = time.monotonic()
+            self.log(f"ray: {replica.id} admitted by the gateway {replica.cold_start_s:.1f}s after its start")
+        else:
+            self.log(f"ray: {replica.id} admitted again by the gateway")
 
     async def _retire(self, replica_id: str, drain: bool) -> None:
         replica = self._replicas[replica_id]
