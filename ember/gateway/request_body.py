@@ -152,7 +152,7 @@ def _non_finite_path(raw: bytes | str) -> str | None:
     why it refused it (only called on that error path)."""
     try:
         value = json.loads(raw, parse_constant=lambda _: _NonFinite(), parse_float=_parse_float)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than orjson's limit, too
         return None
     return _find_non_finite(value, "")
 

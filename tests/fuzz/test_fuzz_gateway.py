@@ -38,17 +38,8 @@ from websockets.sync.client import connect
 pytestmark = pytest.mark.slow
 
 
-def stream_options_crash(body: dict) -> bool:
-    """Known bug, issue 12 (being fixed in ember/gateway/dispatch.py by the validation work): a
-    streamed request whose `stream_options` is not an object crashes the gateway's upstream-body
-    merge with a 500. Kept out of the generated requests; test_known_stream_options_crash pins it, and
-    turns into a failure (strict xfail) once the fix lands: then delete both, and this filter."""
-    options = body.get("stream_options")
-    return body.get("stream") is True and options is not None and not isinstance(options, dict)
-
-
 def without_known_crash(fields: dict) -> st.SearchStrategy[bytes]:
-    near_valid = json_object(fields).filter(lambda body: not stream_options_crash(body)).map(to_json)
+    near_valid = json_object(fields).map(to_json)
     return st.one_of(near_valid, near_valid, RAW_BODIES)
 
 
@@ -142,14 +133,6 @@ def test_websocket_frames(fuzz_gateway: FuzzTarget, frame: bytes) -> None:
             if reply.get("id") == "probe" and reply["type"] in ("final", "error", "cancelled"):
                 break
         assert reply["type"] == "final", reply
-
-
-@pytest.mark.xfail(strict=True, reason="issue 12: a non-object stream_options crashes the gateway (500); "
-                   "the fix is the validation work in ember/gateway/dispatch.py")  # fmt: skip
-def test_known_stream_options_crash(fuzz_gateway: FuzzTarget) -> None:
-    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "stream": True, "stream_options": "yes"}
-    response = fuzz_gateway.client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {GATEWAY_KEY}"})
-    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_gateway_alive_after_fuzzing(fuzz_gateway: FuzzTarget) -> None:

@@ -162,6 +162,17 @@ def test_a_non_finite_number_is_named_not_reported_as_bad_json(gateway, literal)
     }
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/async/chat/completions"])
+def test_json_nested_past_the_parsers_limit_is_a_400(gateway, path):
+    """Found by fuzzing: 1,025 nested arrays made the NaN check's second parse raise RecursionError (a 500)."""
+    raw = b"[" * 1025 + b"]" * 1025
+    response = httpx.post(
+        gateway.url + path, headers={**auth(), "content-type": "application/json"}, content=raw, timeout=30
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_grpc_checks_the_same_fields(gateway, replica):
     received_before = len(replica.requests)
     chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")])
