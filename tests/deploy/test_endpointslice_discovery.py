@@ -95,6 +95,7 @@ def test_watches_resume_from_bookmarks_and_relist_after_410_gone(gateway, fake_a
     fake_api.compact_and_drop_watches(lambda: fake_api.set_ready_now(PODS[1]))
     wait_until(lambda: states(gateway).get(IDS[1]) == "ready", what="pod 2 admitted after the re-list")
     assert watcher(gateway).relists == 1 and fake_api.list_count == 2
+    wait_until(lambda: len(fake_api.watches) == 4, what="the watch after the re-list")  # it may still be opening
     gone, resumed = fake_api.watches[2], fake_api.watches[3]
     assert gone["resourceVersion"] == bookmark_version
     assert int(resumed["resourceVersion"]) == fake_api.compacted_before
