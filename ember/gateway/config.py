@@ -34,6 +34,7 @@ Shape (every section but `models` is optional):
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
     metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
+    state: {backend: embedded}          # or shared: PostgreSQL + Redis for several gateways (docs/ha.md)
     launch: {...}                       # `ember up` only: local replicas to start (ember.control.fleet)
 """
 
@@ -57,6 +58,7 @@ from pydantic import (
 
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
+from ember.gateway.shared.config import StateConfig  # the `state:` section (embedded or PostgreSQL + Redis)
 from ember.strict_model import StrictModel
 
 # `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
@@ -323,6 +325,7 @@ class GatewayConfig(StrictModel):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    state: StateConfig = Field(default_factory=StateConfig)
     # `ember up`'s section (which local replicas to start, and how); the gateway ignores it and
     # ember.control.fleet validates it, so one fleet file serves both.
     launch: dict[str, Any] | None = None
