@@ -338,7 +338,7 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
             "token_budget": budget,
             "budget_remaining": None if budget is None else max(budget - totals["total_tokens"], 0),
             # Estimates of this key's requests in flight, held against the budget until their usage is known.
-            "tokens_reserved": dispatcher.limiter.reserved_tokens(principal.key_id),
+            "tokens_reserved": await dispatcher.limiter.reserved_tokens(principal.key_id),
             "limits": principal.policy.model_dump(exclude={"models"}),
         }
 

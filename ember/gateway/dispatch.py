@@ -39,6 +39,8 @@ from ember.gateway.request_body import RequestBody, parse_request_body
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
+from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.ratelimit import SharedAdmission, SharedRateLimiter
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
@@ -58,7 +60,11 @@ class Dispatcher:
         self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
         self.keys = KeyRing(config, self.store)
         self.usage = UsageLedger(self.store)
-        self.limiter = RateLimiter(self.usage)
+        # state: shared -> PostgreSQL and Redis, opened in start(); embedded -> this process only.
+        self.shared = SharedState(config.state) if config.state.shared else None
+        self.limiter: RateLimiter | SharedRateLimiter = (
+            SharedRateLimiter(self.shared, self.usage) if self.shared is not None else RateLimiter(self.usage)
+        )
         self.queue = AdmissionQueue(self.pool, config.queue.max_size, self.metrics)
         self.client = UpstreamClient(config.timeouts)
         self.health = HealthProber(self.pool, self.client, config.health)
@@ -66,6 +72,8 @@ class Dispatcher:
         self.router = Router(config, self.pool)
 
     async def start(self) -> None:
+        if self.shared is not None:
+            await self.shared.open()
         await self.client.start()
         await self.usage.start()
         await self.health.start()
@@ -78,6 +86,9 @@ class Dispatcher:
         await self.client.close()
         if self.store is not None:
             self.store.close()
+        if self.shared is not None:
+            await self.limiter.drain()
+            await self.shared.close()
 
     # --- the internal API --------------------------------------------------------------------
 
@@ -129,7 +140,7 @@ class Dispatcher:
             deadline_s = deadline_ms / 1000
         try:
             estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
-            admission = self.limiter.admit(principal, estimate)
+            admission = await self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             key = self.metrics.key_label(principal)
             self.metrics.rate_limited.labels(key, exc.type).inc()
@@ -189,7 +200,7 @@ class Dispatcher:
         ctx: RequestContext,
         request: RequestBody,
         principal: Principal,
-        admission: Admission,
+        admission: Admission | SharedAdmission,
         arrival: float,
         deadline: float,
         raw_body: bytes | None,
@@ -276,8 +287,8 @@ class Dispatcher:
             "upstream_error",
         )
 
-    def _headers(self, response: UpstreamResponse, admission: Admission) -> dict[str, str]:
-        headers = self.limiter.headers(admission.limits)
+    def _headers(self, response: UpstreamResponse, admission: Admission | SharedAdmission) -> dict[str, str]:
+        headers = self.limiter.admission_headers(admission)
         headers["content-type"] = response.headers.get("content-type", "application/json")
         return headers
 
@@ -285,7 +296,7 @@ class Dispatcher:
         self,
         ctx: RequestContext,
         principal: Principal,
-        admission: Admission,
+        admission: Admission | SharedAdmission,
         arrival: float,
         result: UpstreamResult,
         outcome: str,
