@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +26,7 @@ from ember.gateway.config import GatewayConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.request_body import parse_json_object
+from ember.gateway.shared.connection import state_unavailable
 from ember.http_rules import (
     UNSUPPORTED_MEDIA_TYPE,
     UNSUPPORTED_MEDIA_TYPE_CODE,
@@ -277,6 +279,12 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
     @api.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc)
+
+    @api.exception_handler(asyncpg.PostgresError)
+    @api.exception_handler(asyncpg.InterfaceError)
+    async def _state_error(request: Request, exc: Exception) -> JSONResponse:
+        # The admin key API with state.backend shared while PostgreSQL is down: a 503, not a 500.
+        return error_response(state_unavailable("PostgreSQL", exc))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

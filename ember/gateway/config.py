@@ -354,6 +354,8 @@ class GatewayConfig(StrictModel):
         problems: list[str] = []
         if self.metrics.require_auth and self.admin_key_sha256 is None:
             problems.append("metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics")
+        if self.state.shared and self.keys.store is not None:
+            problems.append("keys.store is the embedded SQLite key store: with state.backend shared, keys live in PostgreSQL")
         if self.listener_region is not None and known and self.listener_region not in known:
             problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
         for region, region_config in self.regions.items():

@@ -40,7 +40,9 @@ from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
 from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.keys import SharedKeyStore
 from ember.gateway.shared.ratelimit import SharedAdmission, SharedRateLimiter
+from ember.gateway.shared.usage import SharedUsageLedger
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
@@ -58,10 +60,12 @@ class Dispatcher:
         self.metrics = GatewayMetrics(config.metrics.key_labels)
         self.metrics.watch_pool(self.pool)
         self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
-        self.keys = KeyRing(config, self.store)
-        self.usage = UsageLedger(self.store)
-        # state: shared -> PostgreSQL and Redis, opened in start(); embedded -> this process only.
+        # state: shared -> keys, usage and limits in PostgreSQL and Redis (opened in start()); embedded ->
+        # the SQLite key store and this process's buckets.
         self.shared = SharedState(config.state) if config.state.shared else None
+        self.shared_keys = SharedKeyStore(self.shared) if self.shared is not None else None
+        self.keys = KeyRing(config, self.store, self.shared_keys)
+        self.usage = SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
         self.limiter: RateLimiter | SharedRateLimiter = (
             SharedRateLimiter(self.shared, self.usage) if self.shared is not None else RateLimiter(self.usage)
         )
@@ -74,6 +78,7 @@ class Dispatcher:
     async def start(self) -> None:
         if self.shared is not None:
             await self.shared.open()
+            await self.shared_keys.start()
         await self.client.start()
         await self.usage.start()
         await self.health.start()
@@ -87,6 +92,7 @@ class Dispatcher:
         if self.store is not None:
             self.store.close()
         if self.shared is not None:
+            await self.shared_keys.stop()
             await self.limiter.drain()
             await self.shared.close()
 

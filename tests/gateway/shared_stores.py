@@ -47,7 +47,8 @@ def run_sql(sql: str, *args) -> list:
 
 @pytest.fixture
 def shared_state() -> Iterator[dict]:
-    """The `state:` section of a gateway file, on a schema and key prefix of this test's own."""
+    """The `state:` section of a gateway file, on a schema and key prefix of this test's own. Name it
+    before `start_gateway` in a test's arguments, so the gateways stop before the schema is dropped."""
     require_stores()
     name = f"ember_test_{uuid.uuid4().hex[:12]}"
     yield {

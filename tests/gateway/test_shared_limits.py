@@ -25,7 +25,7 @@ def two_gateways(start_gateway, replica, state: dict, **policy):
     return start_gateway(config), start_gateway(config)
 
 
-def test_requests_per_minute_are_counted_once_across_gateways(replicas, start_gateway, shared_state):
+def test_requests_per_minute_are_counted_once_across_gateways(shared_state, replicas, start_gateway):
     a, _ = replicas
     first, second = two_gateways(start_gateway, a, shared_state, rpm=10)
     responses = [chat(first if i % 2 else second, "sk-k") for i in range(14)]
@@ -44,7 +44,7 @@ def test_requests_per_minute_are_counted_once_across_gateways(replicas, start_ga
     assert len(a.requests) == 10
 
 
-def test_concurrency_slots_are_shared(replicas, start_gateway, shared_state):
+def test_concurrency_slots_are_shared(shared_state, replicas, start_gateway):
     a, _ = replicas
     first, second = two_gateways(start_gateway, a, shared_state, max_concurrent=1)
     a.hold()
@@ -60,7 +60,7 @@ def test_concurrency_slots_are_shared(replicas, start_gateway, shared_state):
     wait_until(lambda: chat(second, "sk-k").status_code == 200, what="the slot released through Redis")
 
 
-def test_token_estimate_is_corrected_from_usage_across_gateways(replicas, start_gateway, shared_state):
+def test_token_estimate_is_corrected_from_usage_across_gateways(shared_state, replicas, start_gateway):
     a, _ = replicas
     first, second = two_gateways(start_gateway, a, shared_state, tpm=1000)
     too_large = chat(first, "sk-k", max_tokens=1200)
@@ -79,7 +79,7 @@ def test_token_estimate_is_corrected_from_usage_across_gateways(replicas, start_
     assert int(refused.headers["x-ratelimit-remaining-tokens"]) < 605
 
 
-def test_usage_endpoint_reports_reservations_held_on_the_other_gateway(replicas, start_gateway, shared_state):
+def test_usage_endpoint_reports_reservations_held_on_the_other_gateway(shared_state, replicas, start_gateway):
     a, _ = replicas
     first, second = two_gateways(start_gateway, a, shared_state, token_budget=1000)
     a.hold()

@@ -66,3 +66,9 @@ async def _migrate_again(schema: str) -> list[int]:
 def test_state_section_is_validated(state, message):
     with pytest.raises(GatewayConfigError, match=message):
         parse_config({"models": {"tiny": {"deployments": []}}, "state": state})
+
+
+def test_shared_state_refuses_the_sqlite_key_store():
+    state = {"backend": "shared", "postgres": {"dsn": "postgresql://h/db"}, "redis": {"url": "redis://h"}}
+    with pytest.raises(GatewayConfigError, match="keys.store is the embedded SQLite key store"):
+        parse_config({"models": {"tiny": {"deployments": []}}, "keys": {"store": "keys.db"}, "state": state})

@@ -13,6 +13,7 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from ember.errors import EmberError
+from ember.gateway.errors import GatewayError
 from ember.gateway.shared.config import StateConfig
 
 # (version, SQL) in order; a released version is never edited, a change is a new version.
@@ -39,6 +40,20 @@ MIGRATIONS: list[tuple[int, str]] = [
         """,
     ),
 ]
+
+
+# What a lost PostgreSQL connection raises, besides OSError while (re)connecting.
+POSTGRES_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+def state_unavailable(store: str, exc: Exception) -> GatewayError:
+    """The 503 of a request that needed PostgreSQL or Redis while it was unreachable."""
+    return GatewayError(
+        503,
+        f"The gateway's shared state ({store}) is unreachable: {exc}",
+        "service_unavailable",
+        "state_unavailable",
+    )
 
 
 class SharedStateError(EmberError):

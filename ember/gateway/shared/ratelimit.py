@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from ember.gateway.errors import GatewayError
 from ember.gateway.keys import Principal
 from ember.gateway.ratelimit import (
     BucketState,
@@ -34,7 +33,7 @@ from ember.gateway.ratelimit import (
     rate_error,
     too_large_error,
 )
-from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.connection import SharedState, state_unavailable
 from ember.gateway.usage import UsageLedger
 
 logger = logging.getLogger(__name__)
@@ -137,15 +136,6 @@ class SharedAdmission:
     headers: dict[str, str]  # the x-ratelimit-* state right after admission
 
 
-def state_unavailable(exc: Exception) -> GatewayError:
-    return GatewayError(
-        503,
-        f"The gateway's shared rate-limit store (Redis) is unreachable: {exc}",
-        "service_unavailable",
-        "state_unavailable",
-    )
-
-
 class SharedRateLimiter:
     def __init__(self, state: SharedState, usage: UsageLedger):
         self.redis = state.redis
@@ -166,7 +156,7 @@ class SharedRateLimiter:
                 await self._reserved(keys=[self._key(key_id, "reserved"), self._key(key_id, "leases")])
             )
         except aioredis.RedisError as exc:
-            raise state_unavailable(exc) from None
+            raise state_unavailable("Redis", exc) from None
 
     async def admit(self, principal: Principal, estimated_tokens: int) -> SharedAdmission:
         policy = principal.policy
@@ -189,7 +179,7 @@ class SharedRateLimiter:
                 ],
             )
         except aioredis.RedisError as exc:
-            raise state_unavailable(exc) from None
+            raise state_unavailable("Redis", exc) from None
         headers = limit_headers(_bucket(policy.rpm, requests), _bucket(policy.tpm, tokens))
         if verdict == "budget":
             check_budget(principal, used, int(reserved), estimated_tokens)  # raises: same figures
