@@ -12,6 +12,8 @@ from shared_stores import POSTGRES_DSN, run_sql
 from ember.gateway.config import GatewayConfigError, parse_config
 from ember.gateway.shared.connection import MIGRATIONS, migrate
 
+MODELS = {"tiny": {"deployments": [{"name": "main", "replicas": [{"url": "http://127.0.0.1:9"}]}]}}
+
 
 def test_migrations_apply_once_when_gateways_start_together(shared_state):
     schema = shared_state["postgres"]["schema"]
@@ -65,10 +67,10 @@ async def _migrate_again(schema: str) -> list[int]:
 )
 def test_state_section_is_validated(state, message):
     with pytest.raises(GatewayConfigError, match=message):
-        parse_config({"models": {"tiny": {"deployments": []}}, "state": state})
+        parse_config({"models": MODELS, "state": state})
 
 
 def test_shared_state_refuses_the_sqlite_key_store():
     state = {"backend": "shared", "postgres": {"dsn": "postgresql://h/db"}, "redis": {"url": "redis://h"}}
     with pytest.raises(GatewayConfigError, match="keys.store is the embedded SQLite key store"):
-        parse_config({"models": {"tiny": {"deployments": []}}, "keys": {"store": "keys.db"}, "state": state})
+        parse_config({"models": MODELS, "keys": {"store": "keys.db"}, "state": state})
