@@ -24,6 +24,7 @@ from ember.gateway.jobs import api as jobs_api
 from ember.gateway.jobs import batches, files
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.runtime import JobsRuntime
+from ember.gateway.shared.jobs import batch_api_unavailable
 from ember.gateway.ws import WebSocketExtension
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ember.gateway.metrics import GatewayMetrics
     from ember.gateway.proxy import UpstreamResult
     from ember.gateway.replicas import ReplicaPool
+    from ember.gateway.shared.connection import SharedState
 
 
 @runtime_checkable  # so a test can check that the Dispatcher still provides every member
@@ -41,6 +43,7 @@ class GatewayServices(Protocol):
     pool: ReplicaPool
     keys: KeyRing
     metrics: GatewayMetrics
+    shared: SharedState | None  # PostgreSQL + Redis with state.backend shared
 
     def authenticate(self, authorization_header: str | None) -> Principal:
         """The caller of an `Authorization: Bearer <key>` header; GatewayError 401 otherwise."""
@@ -84,8 +87,11 @@ class JobsExtension:
         self.runtime = JobsRuntime(dispatcher, config, base_dir)
         self.router = APIRouter()
         self.router.include_router(jobs_api.build_router(self.runtime))
-        self.router.include_router(files.build_router(self.runtime))
-        self.router.include_router(batches.build_router(self.runtime))
+        if self.runtime.batch_store is not None:
+            self.router.include_router(files.build_router(self.runtime))
+            self.router.include_router(batches.build_router(self.runtime))
+        else:
+            self.router.include_router(batch_api_unavailable())
 
     async def start(self) -> None:
         await self.runtime.start()

@@ -18,6 +18,7 @@ from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
 from ember.gateway.keys import Principal, require_endpoint
+from ember.gateway.shared.jobs import SharedJobStore
 
 if TYPE_CHECKING:
     from ember.gateway.extensions import GatewayServices
@@ -45,8 +46,15 @@ class JobsRuntime:
     def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None = None) -> None:
         self.dispatcher = dispatcher
         self.config = config
-        self.store = JobStore(config.store_path(base_dir))
-        self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
+        # state.backend shared: jobs in PostgreSQL with leases, no Files/Batch API (batch_store None).
+        self.store: JobStore | SharedJobStore
+        self.batch_store: BatchStore | None
+        if dispatcher.shared is not None:
+            self.store = SharedJobStore(dispatcher.shared, config.jobs.max_attempts)
+            self.batch_store = None
+        else:
+            self.store = JobStore(config.store_path(base_dir))
+            self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
         self.metrics = JobMetrics(dispatcher.metrics.registry)
         self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)

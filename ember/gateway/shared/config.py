@@ -3,7 +3,7 @@
     state: {backend: embedded}          # default: SQLite files and in-process buckets, as for one gateway
     state:                              # any number of gateways share one PostgreSQL and one Redis
       backend: shared
-      postgres: {dsn: "postgresql://ember@db:5432/ember", schema: ember}
+      postgres: {dsn: "postgresql://ember@db:5432/ember", schema: ember, job_lease_s: 30}
       redis: {url: "redis://cache:6379/0", key_prefix: ember, lease_s: 900}
 
 See docs/ha.md for what each store holds and how failures behave.
@@ -26,6 +26,11 @@ class PostgresConfig(StrictModel):
     schema_: str = Field(default="ember", alias="schema", description="Schema holding Ember's tables")
     min_connections: int = Field(default=1, ge=0)
     max_connections: int = Field(default=10, gt=0)
+    job_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A running async job (or webhook delivery) whose gateway stops renewing it for this long is taken over",
+    )
 
     @field_validator("dsn")
     @classmethod

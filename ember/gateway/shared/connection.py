@@ -39,6 +39,55 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        2,
+        # The async job store (ember.gateway.shared.jobs): SQLite's tables (ember.gateway.jobs.store) plus
+        # leases, so a job or a webhook delivery whose gateway died is taken over by another gateway.
+        """
+        CREATE TABLE jobs (
+            seq BIGSERIAL UNIQUE,
+            id TEXT PRIMARY KEY,
+            key_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            endpoint TEXT NOT NULL,
+            body TEXT NOT NULL,
+            priority INTEGER NOT NULL,
+            webhook_url TEXT,
+            max_time_in_queue_s DOUBLE PRECISION NOT NULL,
+            queue_deadline DOUBLE PRECISION NOT NULL,
+            status TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION,
+            finished_at DOUBLE PRECISION,
+            run_after DOUBLE PRECISION NOT NULL DEFAULT 0,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            status_code INTEGER,
+            result TEXT,
+            error TEXT,
+            batch_id TEXT,
+            custom_id TEXT,
+            webhook_status TEXT,
+            lease_owner TEXT,
+            lease_expires DOUBLE PRECISION,
+            webhook_owner TEXT,
+            webhook_lease_expires DOUBLE PRECISION
+        );
+        CREATE INDEX jobs_queue_urgent_first ON jobs (status, priority DESC, created_at, seq);
+        CREATE INDEX jobs_batch_status ON jobs (batch_id, status);
+        CREATE INDEX jobs_lease ON jobs (status, lease_expires);
+        CREATE INDEX jobs_webhook ON jobs (webhook_status, webhook_lease_expires);
+        CREATE TABLE webhook_attempts (
+            job_id TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            status_code INTEGER,
+            error TEXT,
+            PRIMARY KEY (job_id, attempt)
+        );
+        CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+        """,
+    ),
 ]
 
 
