@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from gateway_harness import gateway_config, http, model_config, sha256, wait_until
+from gateway_harness import FakeReplica, gateway_config, http, model_config, sha256, wait_until
+from protocols_support import ProtocolGateway, protocol_config
 from shared_stores import run_sql
 
 ADMIN = {"authorization": "Bearer sk-admin"}
@@ -91,3 +92,51 @@ def test_usage_and_budget_are_counted_once_across_gateways(shared_state, replica
     schema = shared_state["postgres"]["schema"]
     rows = run_sql(f'SELECT requests, prompt_tokens, completion_tokens FROM "{schema}".key_usage')
     assert [tuple(row) for row in rows] == [(3, 21, 9)]
+
+
+def test_queued_job_of_a_key_revoked_on_another_gateway_does_not_run(shared_state, tmp_path):
+    replica = FakeReplica("held").start()
+    config = protocol_config(
+        [replica.url], admin_key_sha256=sha256("sk-admin"), state=shared_state, keys={"inline": []}
+    )
+    config["async"] = {**config["async"], "jobs": {"concurrency": 1, "poll_interval_s": 0.05}}
+    first = ProtocolGateway(config, tmp_path).start()
+    second = ProtocolGateway(config, tmp_path).start()
+    try:
+        created = http.post(
+            first.url + "/admin/keys", json={"name": "jobs", "endpoints": ["async"]}, headers=ADMIN
+        )
+        key = created.json()["key"]
+        wait_until(
+            lambda: usage(second, key).get("key") == "jobs", timeout_s=2, what="the key on the second gateway"
+        )
+        replica.hold()
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        submitted = [
+            http.post(
+                gateway.url + "/v1/async/completions", json=body, headers={"authorization": f"Bearer {key}"}
+            )
+            for gateway in (first, second, first, second)
+        ]
+        assert [response.status_code for response in submitted] == [202] * 4
+        wait_until(lambda: replica.in_flight == 2, what="one job running on each gateway")
+        assert http.delete(first.url + "/admin/keys/jobs", headers=ADMIN).status_code == 200
+        time.sleep(0.5)  # the revocation reaches the second gateway (NOTIFY) before the queued jobs run
+        replica.release()
+        schema = shared_state["postgres"]["schema"]
+
+        def outcomes() -> list[
+            tuple[str, str | None]
+        ]:  # read from PostgreSQL: the revoked key cannot GET its jobs
+            rows = run_sql(f"SELECT status, error::json->>'code' AS code FROM \"{schema}\".jobs")
+            return sorted((row["status"], row["code"]) for row in rows)
+
+        wait_until(
+            lambda: all(status in ("succeeded", "failed") for status, _ in outcomes()), what="the four jobs"
+        )
+    finally:
+        first.stop()
+        second.stop()
+        replica.stop()
+    # The two jobs already running when the key was revoked finish; the two still queued never run.
+    assert outcomes() == [("failed", "invalid_api_key")] * 2 + [("succeeded", None)] * 2

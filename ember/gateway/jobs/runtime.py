@@ -42,6 +42,12 @@ def not_found(kind: str, object_id: str) -> GatewayError:
     )
 
 
+def revoked_submitter() -> GatewayError:
+    return GatewayError(
+        401, "The API key that submitted this job was revoked.", "invalid_request_error", "invalid_api_key"
+    )
+
+
 class JobsRuntime:
     def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None = None) -> None:
         self.dispatcher = dispatcher
@@ -85,19 +91,20 @@ class JobsRuntime:
     def principal_for(self, job: Job) -> Principal:
         """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
         owner = job.owner
-        store = self.dispatcher.keys.store
+        keys = self.dispatcher.keys
+        if keys.shared_keys is not None and not owner["key_id"].startswith("inline:"):
+            principal = keys.shared_keys.live_key(owner["key_id"])
+            if principal is None:
+                raise revoked_submitter()
+            return principal
+        store = keys.store
         if store is not None and not owner["key_id"].startswith("inline:"):
             try:
                 record = store.get(owner["key_id"])
             except Exception:  # noqa: BLE001 - an unknown key is treated like a revoked one
                 record = None
             if record is None or record.revoked_at is not None:
-                raise GatewayError(
-                    401,
-                    "The API key that submitted this job was revoked.",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
+                raise revoked_submitter()
             return Principal(record.id, record.name, record.policy)
         return Principal(owner["key_id"], owner["name"], KeyPolicy.model_validate(owner["policy"]))
 

@@ -43,6 +43,10 @@ class SharedKeyStore:
     def find(self, digest: str) -> Principal | None:
         return self._live.get(digest)
 
+    def live_key(self, key_id: str) -> Principal | None:
+        """The live key with this id (a job's submitter, re-checked before its job runs)."""
+        return next((principal for principal in self._live.values() if principal.key_id == key_id), None)
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
