@@ -24,7 +24,6 @@ from ember.gateway.jobs import api as jobs_api
 from ember.gateway.jobs import batches, files
 from ember.gateway.jobs.config import AsyncConfig
 from ember.gateway.jobs.runtime import JobsRuntime
-from ember.gateway.shared.jobs import batch_api_unavailable
 from ember.gateway.ws import WebSocketExtension
 
 if TYPE_CHECKING:
@@ -87,11 +86,8 @@ class JobsExtension:
         self.runtime = JobsRuntime(dispatcher, config, base_dir)
         self.router = APIRouter()
         self.router.include_router(jobs_api.build_router(self.runtime))
-        if self.runtime.batch_store is not None:
-            self.router.include_router(files.build_router(self.runtime))
-            self.router.include_router(batches.build_router(self.runtime))
-        else:
-            self.router.include_router(batch_api_unavailable())
+        self.router.include_router(files.build_router(self.runtime))
+        self.router.include_router(batches.build_router(self.runtime))
 
     async def start(self) -> None:
         await self.runtime.start()

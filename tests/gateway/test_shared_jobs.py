@@ -1,14 +1,19 @@
-"""`state: {backend: shared}`: two real `ember gateway` processes share one PostgreSQL job store. One is
-SIGKILLed while its workers run jobs; its leases lapse, the other gateway runs those jobs again, and
-every accepted job succeeds with its webhook delivered under its own id."""
+"""`state: {backend: shared}`: two gateways share one PostgreSQL job store. Two real `ember gateway`
+processes, one SIGKILLed while its workers run jobs: its leases lapse, the other gateway runs those
+jobs again, and every accepted job succeeds with its webhook delivered under its own id. A batch
+uploaded and created through either gateway runs on both and is read through either."""
 
 from __future__ import annotations
 
+import io
+import json
+
 import httpx
+import openai
 import pytest
 import yaml
 from gateway_harness import FakeReplica, sha256, wait_until
-from protocols_support import KEY, WebhookReceiver, auth
+from protocols_support import KEY, ProtocolGateway, WebhookReceiver, auth, protocol_config
 from test_async_crash_recovery import GatewayProcess
 
 from ember.gateway.jobs.webhooks import verify
@@ -63,7 +68,6 @@ def test_sigkill_of_one_gateway_loses_no_job(shared_state, tmp_path):
                 wait_until(all_delivered, timeout_s=60, what="every job to finish and its webhook to arrive")
                 jobs = [client.get(f"/v1/async/jobs/{job_id}").json() for job_id in ids]
                 secret = client.get("/v1/async/webhook-secret").json()["secret"]
-            unknown = httpx.get(survivor.url + "/v1/batches", headers=auth())
     finally:
         for process in processes:
             process.stop()
@@ -77,4 +81,43 @@ def test_sigkill_of_one_gateway_loses_no_job(shared_state, tmp_path):
     delivered_ids = [headers["webhook-id"] for headers, _ in receiver.deliveries]
     assert sorted(delivered_ids) == sorted(f"msg_{job_id}" for job_id in ids)  # one id per job, each once
     assert all(verify(secret, headers, body) for headers, body in receiver.deliveries)
-    assert unknown.status_code == 501 and unknown.json()["error"]["code"] == "batch_api_unavailable"
+
+
+def test_batch_uploaded_on_one_gateway_runs_and_is_read_on_the_other(shared_state, tmp_path):
+    replica = FakeReplica("r").start()
+    config = protocol_config([replica.url], state=shared_state)
+    first = ProtocolGateway(config, tmp_path).start()
+    second = ProtocolGateway(config, tmp_path).start()
+    try:
+        lines = [
+            {"custom_id": name, "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}
+            for name, model in (("a", "tiny"), ("b", "tiny"), ("missing", "nope"), ("c", "tiny"), ("d", "tiny"), ("e", "tiny"))
+        ]  # fmt: skip
+        content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        uploader = openai.OpenAI(base_url=first.url + "/v1", api_key=KEY, max_retries=0)
+        reader = openai.OpenAI(base_url=second.url + "/v1", api_key=KEY, max_retries=0)
+        uploaded = uploader.files.create(file=("requests.jsonl", io.BytesIO(content)), purpose="batch")
+        assert reader.files.content(uploaded.id).content == content
+        batch = reader.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert [b.id for b in uploader.batches.list().data] == [batch.id]
+
+        def completed() -> bool:
+            return uploader.batches.retrieve(batch.id).status == "completed"
+
+        wait_until(completed, timeout_s=30, what="the batch to complete")
+        done = uploader.batches.retrieve(batch.id)
+        output = [json.loads(line) for line in reader.files.content(done.output_file_id).content.splitlines()]
+        errors = [
+            json.loads(line) for line in uploader.files.content(done.error_file_id).content.splitlines()
+        ]
+    finally:
+        first.stop()
+        second.stop()
+        replica.stop()
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (6, 5, 1)
+    assert sorted(line["custom_id"] for line in output) == ["a", "b", "c", "d", "e"]
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert [(line["custom_id"], line["response"]["status_code"]) for line in errors] == [("missing", 404)]
+    assert len(replica.requests) == 5

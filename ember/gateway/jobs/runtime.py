@@ -18,6 +18,7 @@ from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
 from ember.gateway.keys import Principal, require_endpoint
+from ember.gateway.shared.batches import SharedBatchStore
 from ember.gateway.shared.jobs import SharedJobStore
 
 if TYPE_CHECKING:
@@ -52,12 +53,12 @@ class JobsRuntime:
     def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None = None) -> None:
         self.dispatcher = dispatcher
         self.config = config
-        # state.backend shared: jobs in PostgreSQL with leases, no Files/Batch API (batch_store None).
+        # state.backend shared: jobs, files and batches in PostgreSQL, jobs leased to the gateway running them.
         self.store: JobStore | SharedJobStore
-        self.batch_store: BatchStore | None
+        self.batch_store: BatchStore | SharedBatchStore
         if dispatcher.shared is not None:
             self.store = SharedJobStore(dispatcher.shared, config.jobs.max_attempts)
-            self.batch_store = None
+            self.batch_store = SharedBatchStore(self.store)
         else:
             self.store = JobStore(config.store_path(base_dir))
             self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file

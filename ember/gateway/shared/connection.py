@@ -88,6 +88,46 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
         """,
     ),
+    (
+        3,
+        # The Files and Batch API (ember.gateway.shared.batches): SQLite's tables, `seq` for its rowid order.
+        """
+        CREATE TABLE files (
+            seq BIGSERIAL UNIQUE,
+            id TEXT PRIMARY KEY,
+            key_id TEXT NOT NULL,
+            filename TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            bytes BIGINT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            content BYTEA NOT NULL
+        );
+        CREATE INDEX files_key ON files (key_id, created_at);
+        CREATE TABLE batches (
+            seq BIGSERIAL UNIQUE,
+            id TEXT PRIMARY KEY,
+            key_id TEXT NOT NULL,
+            endpoint TEXT NOT NULL,
+            input_file_id TEXT NOT NULL,
+            completion_window TEXT NOT NULL,
+            status TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            in_progress_at DOUBLE PRECISION,
+            expires_at DOUBLE PRECISION NOT NULL,
+            finalizing_at DOUBLE PRECISION,
+            completed_at DOUBLE PRECISION,
+            failed_at DOUBLE PRECISION,
+            expired_at DOUBLE PRECISION,
+            cancelling_at DOUBLE PRECISION,
+            cancelled_at DOUBLE PRECISION,
+            output_file_id TEXT,
+            error_file_id TEXT,
+            metadata TEXT,
+            total INTEGER NOT NULL
+        );
+        CREATE INDEX batches_key ON batches (key_id, created_at);
+        """,
+    ),
 ]
 
 

@@ -12,8 +12,7 @@ those out of attempts), and their workers run them again: at-least-once. Webhook
 leased the same way, so a delivery cut short by a dead gateway resumes on another with the same
 webhook-id and its attempts counted.
 
-Batches and files are not in PostgreSQL yet: with the shared backend the Files and Batch API answer
-501 (`batch_api_unavailable`, below; see docs/ha.md).
+Files and batches: ember.gateway.shared.batches.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncpg
-from fastapi import APIRouter
 
-from ember.gateway.errors import GatewayError
 from ember.gateway.jobs.store import Job, JobStatus, NewJob, WebhookAttempt, new_id
 from ember.gateway.shared.connection import POSTGRES_ERRORS, SharedState
 
@@ -68,6 +65,43 @@ def _sql(text: str, **names: int) -> str:
     for name, position in sorted(names.items(), key=lambda item: -len(item[0])):
         text = text.replace(f"${name}", f"${position}")
     return text
+
+
+async def insert_jobs(connection: asyncpg.Connection, specs: list[NewJob], now: float) -> list[Job]:
+    """Queue `specs` (one async job, or a batch's requests inside the batch's transaction)."""
+    jobs = [
+        Job(
+            id=spec.id or new_id("job_"),
+            key_id=spec.key_id,
+            owner=spec.owner,
+            kind=spec.kind,
+            endpoint=spec.endpoint,
+            body=spec.body,
+            priority=spec.priority,
+            webhook_url=spec.webhook_url,
+            max_time_in_queue_s=spec.max_time_in_queue_s,
+            status="queued",
+            created_at=now,
+            batch_id=spec.batch_id,
+            custom_id=spec.custom_id,
+            webhook_status=None if spec.webhook_url is None else "waiting",
+        )
+        for spec in specs
+    ]
+    await connection.executemany(
+        "INSERT INTO jobs (id, key_id, owner, kind, endpoint, body, priority, webhook_url, max_time_in_queue_s,"
+        " queue_deadline, status, created_at, batch_id, custom_id, webhook_status)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'queued', $11, $12, $13, $14)",
+        [
+            (
+                job.id, job.key_id, _dumps(job.owner), job.kind, job.endpoint, _dumps(job.body), job.priority,
+                job.webhook_url, job.max_time_in_queue_s, now + job.max_time_in_queue_s, now, job.batch_id,
+                job.custom_id, job.webhook_status,
+            )  # fmt: skip
+            for job in jobs
+        ],
+    )
+    return jobs
 
 
 class SharedJobStore:
@@ -118,32 +152,9 @@ class SharedJobStore:
     # -- jobs ---------------------------------------------------------------------------------
 
     async def create_job(self, spec: NewJob) -> Job:
-        now = time.time()
-        job = Job(
-            id=spec.id or new_id("job_"),
-            key_id=spec.key_id,
-            owner=spec.owner,
-            kind=spec.kind,
-            endpoint=spec.endpoint,
-            body=spec.body,
-            priority=spec.priority,
-            webhook_url=spec.webhook_url,
-            max_time_in_queue_s=spec.max_time_in_queue_s,
-            status="queued",
-            created_at=now,
-            batch_id=spec.batch_id,
-            custom_id=spec.custom_id,
-            webhook_status=None if spec.webhook_url is None else "waiting",
-        )
-        await self.pool.execute(
-            "INSERT INTO jobs (id, key_id, owner, kind, endpoint, body, priority, webhook_url, max_time_in_queue_s,"
-            " queue_deadline, status, created_at, batch_id, custom_id, webhook_status)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'queued', $11, $12, $13, $14)",
-            job.id, job.key_id, _dumps(job.owner), job.kind, job.endpoint, _dumps(job.body), job.priority,
-            job.webhook_url, job.max_time_in_queue_s, now + job.max_time_in_queue_s, now, job.batch_id,
-            job.custom_id, job.webhook_status,
-        )  # fmt: skip
-        return job
+        async with self.pool.acquire() as connection:
+            jobs = await insert_jobs(connection, [spec], time.time())
+        return jobs[0]
 
     async def get_job(self, job_id: str) -> Job | None:
         async with self.pool.acquire() as connection:
@@ -332,20 +343,3 @@ class SharedJobStore:
         )
         return await self.pool.fetchval("SELECT value FROM meta WHERE name = $1", name)
 
-
-def batch_api_unavailable() -> APIRouter:
-    """/v1/files* and /v1/batches* with the shared backend: a 501 that says why, not a 404."""
-    router = APIRouter()
-
-    @router.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"])
-    @router.api_route("/v1/batches{rest:path}", methods=["GET", "POST"])
-    async def unavailable(rest: str) -> None:
-        raise GatewayError(
-            501,
-            "The Files and Batch API need the embedded job store; this gateway runs with state.backend shared "
-            "(async jobs at /v1/async/jobs are available).",
-            "invalid_request_error",
-            "batch_api_unavailable",
-        )
-
-    return router
