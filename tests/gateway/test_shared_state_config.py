@@ -10,7 +10,9 @@ import pytest
 from shared_stores import POSTGRES_DSN, run_sql
 
 from ember.gateway.config import GatewayConfigError, parse_config
-from ember.gateway.shared.connection import MIGRATIONS, migrate
+from ember.gateway.shared.config import StateConfig
+from ember.gateway.shared.connection import MIGRATIONS, SharedState, migrate
+from ember.gateway.shared.jobs import SharedJobStore
 
 MODELS = {"tiny": {"deployments": [{"name": "main", "replicas": [{"url": "http://127.0.0.1:9"}]}]}}
 
@@ -74,3 +76,44 @@ def test_shared_state_refuses_the_sqlite_key_store():
     state = {"backend": "shared", "postgres": {"dsn": "postgresql://h/db"}, "redis": {"url": "redis://h"}}
     with pytest.raises(GatewayConfigError, match="keys.store is the embedded SQLite key store"):
         parse_config({"models": MODELS, "keys": {"store": "keys.db"}, "state": state})
+
+
+def test_retention_deletes_old_jobs_and_batches_with_their_files(shared_state):
+    """The shared store's sweep keeps what SQLite's keeps: recent results, and pending webhooks."""
+    schema = shared_state["postgres"]["schema"]
+    asyncio.run(_migrate_again(schema))
+    run_sql(
+        f'INSERT INTO "{schema}".jobs (id, key_id, owner, kind, endpoint, body, priority, max_time_in_queue_s,'
+        " queue_deadline, status, created_at, finished_at, batch_id, webhook_status, webhook_url) VALUES"
+        " ('old', 'k', '{}', 'async', 'e', '{}', 0, 1, 1, 'succeeded', 1, 10, NULL, NULL, NULL),"
+        " ('old-pending-hook', 'k', '{}', 'async', 'e', '{}', 0, 1, 1, 'succeeded', 1, 10, NULL, 'pending', 'http://h'),"
+        " ('recent', 'k', '{}', 'async', 'e', '{}', 0, 1, 1, 'succeeded', 1, 990, NULL, NULL, NULL),"
+        " ('old-batch-request', 'k', '{}', 'batch', 'e', '{}', 0, 1, 1, 'succeeded', 1, 10, 'b1', NULL, NULL)"
+    )
+    run_sql(
+        f'INSERT INTO "{schema}".batches (id, key_id, endpoint, input_file_id, completion_window, status,'
+        " created_at, expires_at, completed_at, output_file_id, total) VALUES"
+        " ('b1', 'k', 'e', 'in', '24h', 'completed', 1, 100, 10, 'out', 1)"
+    )
+    run_sql(
+        f'INSERT INTO "{schema}".files (id, key_id, filename, purpose, bytes, created_at, content) VALUES'
+        " ('in', 'k', 'in.jsonl', 'batch', 1, 1, 'x'), ('out', 'k', 'out.jsonl', 'batch_output', 1, 10, 'y')"
+    )
+
+    async def sweep() -> int:
+        state = SharedState(StateConfig.model_validate(shared_state))
+        await state.open()
+        try:
+            return await SharedJobStore(state, max_attempts=3).delete_expired_results(ttl_s=100, now=1000)
+        finally:
+            await state.close()
+
+    assert asyncio.run(sweep()) == 2  # the old async job and the old batch
+    assert sorted(row[0] for row in run_sql(f'SELECT id FROM "{schema}".jobs')) == [
+        "old-pending-hook",
+        "recent",
+    ]
+    assert [row[0] for row in run_sql(f'SELECT id FROM "{schema}".batches')] == []
+    assert [row[0] for row in run_sql(f'SELECT id FROM "{schema}".files')] == [
+        "in"
+    ]  # the input is the user's

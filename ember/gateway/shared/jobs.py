@@ -94,9 +94,20 @@ async def insert_jobs(connection: asyncpg.Connection, specs: list[NewJob], now: 
         " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'queued', $11, $12, $13, $14)",
         [
             (
-                job.id, job.key_id, _dumps(job.owner), job.kind, job.endpoint, _dumps(job.body), job.priority,
-                job.webhook_url, job.max_time_in_queue_s, now + job.max_time_in_queue_s, now, job.batch_id,
-                job.custom_id, job.webhook_status,
+                job.id,
+                job.key_id,
+                _dumps(job.owner),
+                job.kind,
+                job.endpoint,
+                _dumps(job.body),
+                job.priority,
+                job.webhook_url,
+                job.max_time_in_queue_s,
+                now + job.max_time_in_queue_s,
+                now,
+                job.batch_id,
+                job.custom_id,
+                job.webhook_status,
             )  # fmt: skip
             for job in jobs
         ],
@@ -322,6 +333,7 @@ class SharedJobStore:
     # -- retention and secrets ----------------------------------------------------------------
 
     async def delete_expired_results(self, ttl_s: float, now: float | None = None) -> int:
+        """Finished async jobs (webhook done) and finished batches with their jobs and files, older than ttl_s."""
         cutoff = (time.time() if now is None else now) - ttl_s
         async with self.pool.acquire() as connection, connection.transaction():
             doomed = await connection.fetch(
@@ -332,7 +344,17 @@ class SharedJobStore:
             await connection.execute(
                 "DELETE FROM webhook_attempts WHERE job_id = ANY($1::text[])", [row[0] for row in doomed]
             )
-        return len(doomed)
+            batches = await connection.fetch(
+                "DELETE FROM batches WHERE COALESCE(completed_at, failed_at, expired_at, cancelled_at) < $1"
+                " RETURNING id, output_file_id, error_file_id",
+                cutoff,
+            )
+            await connection.execute(
+                "DELETE FROM jobs WHERE batch_id = ANY($1::text[])", [row[0] for row in batches]
+            )
+            files = [file_id for row in batches for file_id in (row[1], row[2]) if file_id is not None]
+            await connection.execute("DELETE FROM files WHERE id = ANY($1::text[])", files)
+        return len(doomed) + len(batches)
 
     async def meta_value(self, name: str, default_factory: Callable[[], str]) -> str:
         """A value created once for all gateways (e.g. the webhook master secret: every gateway signs alike)."""
@@ -342,4 +364,3 @@ class SharedJobStore:
             default_factory(),
         )
         return await self.pool.fetchval("SELECT value FROM meta WHERE name = $1", name)
-
