@@ -117,3 +117,24 @@ def test_retention_deletes_old_jobs_and_batches_with_their_files(shared_state):
     assert [row[0] for row in run_sql(f'SELECT id FROM "{schema}".files')] == [
         "in"
     ]  # the input is the user's
+
+
+def test_connection_strings_can_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_DSN", "postgresql://ember:secret@db:5432/ember")
+    monkeypatch.setenv("EMBER_TEST_REDIS", "redis://:secret@cache:6379/0")
+    state = {
+        "backend": "shared",
+        "postgres": {"dsn_env": "EMBER_TEST_DSN"},
+        "redis": {"url_env": "EMBER_TEST_REDIS"},
+    }
+    config = parse_config({"models": MODELS, "state": state})
+    assert config.state.postgres.dsn == "postgresql://ember:secret@db:5432/ember"
+    assert config.state.redis.url == "redis://:secret@cache:6379/0"
+    monkeypatch.delenv("EMBER_TEST_DSN")
+    with pytest.raises(
+        GatewayConfigError, match="state.postgres: dsn_env: environment variable 'EMBER_TEST_DSN' is not set"
+    ):
+        parse_config({"models": MODELS, "state": state})
+    both = {**state, "postgres": {"dsn": "postgresql://h/db", "dsn_env": "X"}}
+    with pytest.raises(GatewayConfigError, match="set dsn or dsn_env, not both"):
+        parse_config({"models": MODELS, "state": both})

@@ -5,20 +5,38 @@
       backend: shared
       postgres: {dsn: "postgresql://ember@db:5432/ember", schema: ember, job_lease_s: 30}
       redis: {url: "redis://cache:6379/0", key_prefix: ember, lease_s: 900}
+      # dsn_env / url_env: VARIABLE in place of dsn / url keeps a password out of the file
 
 See docs/ha.md for what each store holds and how failures behave.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ember.strict_model import StrictModel
 
 SQL_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _from_env(data: Any, field: str) -> Any:
+    """`<field>_env: VARIABLE` in place of `<field>`, to keep a password out of the file; the variable
+    must be set when the file is loaded."""
+    if not isinstance(data, dict) or f"{field}_env" not in data:
+        return data
+    if field in data:
+        raise ValueError(f"set {field} or {field}_env, not both")
+    data = dict(data)
+    variable = data.pop(f"{field}_env")
+    value = os.environ.get(str(variable))
+    if not value:
+        raise ValueError(f"{field}_env: environment variable {variable!r} is not set")
+    data[field] = value
+    return data
 
 
 class PostgresConfig(StrictModel):
@@ -31,6 +49,11 @@ class PostgresConfig(StrictModel):
         gt=0,
         description="A running async job (or webhook delivery) whose gateway stops renewing it for this long is taken over",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dsn_env(cls, data: Any) -> Any:
+        return _from_env(data, "dsn")
 
     @field_validator("dsn")
     @classmethod
@@ -57,6 +80,11 @@ class RedisConfig(StrictModel):
         gt=0,
         description="How long a request's concurrency slot and budget reservation outlive a gateway that died holding them",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return _from_env(data, "url")
 
     @field_validator("url")
     @classmethod

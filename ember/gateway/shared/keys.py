@@ -37,6 +37,7 @@ class SharedKeyStore:
         self._live: dict[str, Principal] = {}  # digest -> principal of every live key
         self._listener: asyncpg.Connection | None = None
         self._reload_task: asyncio.Task | None = None
+        self._notified: set[asyncio.Task] = set()  # reloads started by NOTIFY, referenced until done
 
     # --- the proxy path -----------------------------------------------------------------------
 
@@ -77,7 +78,9 @@ class SharedKeyStore:
         self._live = live
 
     def _on_notify(self, connection, pid, channel, payload) -> None:
-        asyncio.get_running_loop().create_task(self._reload_logged())
+        task = asyncio.get_running_loop().create_task(self._reload_logged())
+        self._notified.add(task)
+        task.add_done_callback(self._notified.discard)
 
     async def _reload_loop(self) -> None:
         while True:
