@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import orjson
 import pytest
 from gateway_harness import FakeReplica, gateway_config, http, model_config, wait_until
 
@@ -110,3 +111,28 @@ def test_clusters_replace_models_and_are_validated():
         parse_config(both)
     with pytest.raises(GatewayConfigError, match="members"):
         parse_config({"clusters": {"models": ["tiny"], "members": {}}})
+
+
+def test_a_stream_cut_inside_a_cluster_ends_at_the_client_with_an_error_then_done(start_gateway):
+    replica = FakeReplica("fragile").start()
+    try:
+        replica.die_after_chunks = 1
+        cluster = start_gateway(gateway_config({"tiny": model_config(replica)}, [{"name": "front", "secret": "sk-service"}]))
+        member = {"url": cluster.url, "region": "us-east", "api_key": "sk-service"}
+        config = gateway_config({}, [{"name": "client", "secret": CLIENT_KEY}], clusters={"models": ["tiny"], "members": {"east": member}})
+        del config["models"]
+        front_door = start_gateway(config)
+        wait_until(lambda: chat(front_door).status_code == 200, what="the front door to admit its cluster")
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        response = http.post(
+            front_door.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {CLIENT_KEY}"}, timeout=30
+        )
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+        assert len(events) == 3
+        assert orjson.loads(events[0])["choices"][0]["delta"]["content"] == "Hello"
+        error = orjson.loads(events[1])["error"]
+        assert error["type"] == "server_error" and error["code"] == "upstream_stream_error"
+        assert events[2] == "[DONE]"
+    finally:
+        replica.stop()
