@@ -27,9 +27,10 @@ from pydantic import field_validator
 from ember.gateway.config import KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
-from ember.gateway.keys import KeyStore, KeyStoreError, parse_bearer, require_endpoint
+from ember.gateway.keys import KeyStore, KeyStoreError, StoredKey, parse_bearer, require_endpoint
 from ember.gateway.membership import join, leave, new_replica
 from ember.gateway.replicas import Replica
+from ember.gateway.shared.keys import SharedKeyStore
 
 CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
 
@@ -105,28 +106,49 @@ def require_admin(dispatcher: Dispatcher, authorization: str | None) -> None:
     raise GatewayError(401, "This endpoint needs the admin key.", "invalid_request_error", "invalid_admin_key")
 
 
+class EmbeddedKeyAdmin:
+    """The SQLite key store behind the same awaitable calls as the shared (PostgreSQL) one."""
+
+    def __init__(self, store: KeyStore):
+        self.store = store
+
+    async def list(self, include_revoked: bool) -> list[StoredKey]:
+        return self.store.list(include_revoked)
+
+    async def create(self, name: str, policy: KeyPolicy) -> tuple[str, StoredKey]:
+        return self.store.create(name, policy)
+
+    async def get(self, id_or_name: str) -> StoredKey:
+        return self.store.get(id_or_name)
+
+    async def revoke(self, id_or_name: str) -> StoredKey:
+        return self.store.revoke(id_or_name)
+
+
 def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
     def admin_only(request: Request) -> None:
         require_admin(dispatcher, request.headers.get("authorization"))
 
-    def store() -> KeyStore:
+    def store() -> SharedKeyStore | EmbeddedKeyAdmin:
+        if dispatcher.shared_keys is not None:
+            return dispatcher.shared_keys
         if dispatcher.store is None:
             raise GatewayError(
                 400, "No key store is configured (keys.store in the gateway config).", code="no_key_store"
             )
-        return dispatcher.store
+        return EmbeddedKeyAdmin(dispatcher.store)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
     @router.get("/keys")
     async def list_keys(include_revoked: bool = False) -> dict[str, Any]:
-        return {"object": "list", "data": [key.to_dict() for key in store().list(include_revoked)]}
+        return {"object": "list", "data": [key.to_dict() for key in await store().list(include_revoked)]}
 
     @router.post("/keys", status_code=201)
     async def create_key(new_key: NewKey) -> dict[str, Any]:
         policy = KeyPolicy(**new_key.model_dump(exclude={"name"}))
         try:
-            key, record = store().create(new_key.name, policy)
+            key, record = await store().create(new_key.name, policy)
         except KeyStoreError as exc:
             raise GatewayError(409, str(exc), code="key_exists", param="name") from None
         return {"key": key, **record.to_dict()}
@@ -134,14 +156,14 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
     @router.get("/keys/{id_or_name}")
     async def get_key(id_or_name: str) -> dict[str, Any]:
         try:
-            return store().get(id_or_name).to_dict()
+            return (await store().get(id_or_name)).to_dict()
         except KeyStoreError as exc:
             raise GatewayError(404, str(exc), code="key_not_found") from None
 
     @router.delete("/keys/{id_or_name}")
     async def revoke_key(id_or_name: str) -> dict[str, Any]:
         try:
-            record = store().revoke(id_or_name)
+            record = await store().revoke(id_or_name)
         except KeyStoreError as exc:
             raise GatewayError(404, str(exc), code="key_not_found") from None
         dispatcher.keys.invalidate()

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +27,7 @@ from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.proxy import UpstreamResult
 from ember.gateway.request_body import parse_json_object
+from ember.gateway.shared.connection import state_unavailable
 from ember.http_rules import (
     UNSUPPORTED_MEDIA_TYPE,
     UNSUPPORTED_MEDIA_TYPE_CODE,
@@ -330,6 +332,12 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc)
 
+    @api.exception_handler(asyncpg.PostgresError)
+    @api.exception_handler(asyncpg.InterfaceError)
+    async def _state_error(request: Request, exc: Exception) -> JSONResponse:
+        # The admin key API with state.backend shared while PostgreSQL is down: a 503, not a 500.
+        return error_response(state_unavailable("PostgreSQL", exc))
+
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
@@ -390,7 +398,7 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
             "token_budget": budget,
             "budget_remaining": None if budget is None else max(budget - totals["total_tokens"], 0),
             # Estimates of this key's requests in flight, held against the budget until their usage is known.
-            "tokens_reserved": dispatcher.limiter.reserved_tokens(principal.key_id),
+            "tokens_reserved": await dispatcher.limiter.reserved_tokens(principal.key_id),
             "limits": principal.policy.model_dump(exclude={"models"}),
         }
 

@@ -35,6 +35,11 @@ Shape (every section but `models` is optional):
     limits: {...}  timeouts: {...}  failover: {...}  health: {...}  scrape: {...}  queue: {...}
     metrics: {require_auth: false, key_labels: name}   # /metrics: admin key only?; key label: name | id | none
     async: {...}                        # async jobs / batch / webhooks (filled by that area)
+    state: {backend: embedded}          # or shared: PostgreSQL + Redis for several gateways (docs/ha.md)
+    clusters:                           # a front door over cluster gateways, in place of `models` (docs/ha.md)
+      models: [tiny]
+      members:
+        east: {url: http://10.0.1.5:8080, region: us-east, capacity: 256, api_key_env: EAST_SERVICE_KEY}
     launch: {...}                       # `ember up` only: local replicas to start (ember.control.fleet)
 """
 
@@ -58,6 +63,7 @@ from pydantic import (
 
 from ember.errors import EmberError
 from ember.gateway.jobs.config import AsyncConfig  # the `async:` section (jobs, webhooks, batch, gRPC)
+from ember.gateway.shared.config import StateConfig  # the `state:` section (embedded or PostgreSQL + Redis)
 from ember.strict_model import StrictModel
 
 # `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
@@ -333,6 +339,44 @@ class MetricsConfig(StrictModel):
     )
 
 
+class ClustersConfig(StrictModel):
+    """A front door: this gateway serves `models` through other gateways (clusters), each with its own
+    replicas. Expanded at load into one model per name whose replicas are the cluster gateways, so the
+    routing of docs/routing.md applies: nearest healthy cluster first by the regions' latency matrix,
+    spill-over when one is at capacity, ejection when its `/ready` fails (the health path becomes
+    `/ready` unless `health.path` is set) or its requests fail, probed back afterwards."""
+
+    models: list[str] = Field(min_length=1, description="Model names every cluster serves")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    # A cluster: its gateway's URL, region, capacity (concurrent requests sent to it) and the service
+    # credential (an API key of that gateway) the front door sends in place of the client's key.
+    members: dict[str, ReplicaConfig] = Field(min_length=1)
+
+
+def _expand_clusters(data: Any) -> Any:
+    """`clusters:` -> `models:` whose replicas are the cluster gateways (ids `<cluster>/<model>`)."""
+    if not isinstance(data, dict) or "clusters" not in data:
+        return data
+    if data.get("models"):
+        raise ValueError("a front door (clusters) serves clusters.models; leave models out")
+    clusters = ClustersConfig.model_validate(data["clusters"])
+    members = [
+        (name, member.model_dump(exclude={"id"}, exclude_none=True)) for name, member in clusters.members.items()
+    ]
+    models = {
+        model: {
+            "routing": clusters.routing.model_dump(),
+            "deployments": [
+                {"name": "clusters", "replicas": [{**member, "id": f"{name}/{model}"} for name, member in members]}
+            ],
+        }
+        for model in clusters.models
+    }
+    health = dict(data.get("health") or {})
+    health.setdefault("path", "/ready")
+    return {**data, "models": models, "health": health}
+
+
 class GatewayConfig(StrictModel):
     listener_region: str | None = None
     admin_key_sha256: str | None = None
@@ -347,9 +391,11 @@ class GatewayConfig(StrictModel):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    state: StateConfig = Field(default_factory=StateConfig)
     # `ember up`'s section (which local replicas to start, and how); the gateway ignores it and
     # ember.control.fleet validates it, so one fleet file serves both.
     launch: dict[str, Any] | None = None
+    clusters: ClustersConfig | None = None  # a front door over cluster gateways; fills `models`
 
     model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's: "async" or async_
     # The config file's folder: relative paths in any section (key store, job store) resolve against it.
@@ -358,6 +404,11 @@ class GatewayConfig(StrictModel):
     @property
     def base_dir(self) -> Path | None:
         return self._base_dir
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clusters_to_models(cls, data: Any) -> Any:
+        return _expand_clusters(data)
 
     @field_validator("admin_key_sha256")
     @classmethod
@@ -375,6 +426,8 @@ class GatewayConfig(StrictModel):
         problems: list[str] = []
         if self.metrics.require_auth and self.admin_key_sha256 is None:
             problems.append("metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics")
+        if self.state.shared and self.keys.store is not None:
+            problems.append("keys.store is the embedded SQLite key store: with state.backend shared, keys live in PostgreSQL")
         if self.listener_region is not None and known and self.listener_region not in known:
             problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
         for region, region_config in self.regions.items():

@@ -39,6 +39,10 @@ from ember.gateway.request_body import RequestBody, parse_request_body
 from ember.gateway.request_context import RequestContext
 from ember.gateway.router import Router
 from ember.gateway.scraper import MetricsScraper
+from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.keys import SharedKeyStore
+from ember.gateway.shared.ratelimit import SharedAdmission, SharedRateLimiter
+from ember.gateway.shared.usage import SharedUsageLedger
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
@@ -56,9 +60,15 @@ class Dispatcher:
         self.metrics = GatewayMetrics(config.metrics.key_labels)
         self.metrics.watch_pool(self.pool)
         self.store = KeyStore(config.keys.store) if config.keys.store is not None else None
-        self.keys = KeyRing(config, self.store)
-        self.usage = UsageLedger(self.store)
-        self.limiter = RateLimiter(self.usage)
+        # state: shared -> keys, usage and limits in PostgreSQL and Redis (opened in start()); embedded ->
+        # the SQLite key store and this process's buckets.
+        self.shared = SharedState(config.state) if config.state.shared else None
+        self.shared_keys = SharedKeyStore(self.shared) if self.shared is not None else None
+        self.keys = KeyRing(config, self.store, self.shared_keys)
+        self.usage = SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
+        self.limiter: RateLimiter | SharedRateLimiter = (
+            SharedRateLimiter(self.shared, self.usage) if self.shared is not None else RateLimiter(self.usage)
+        )
         self.queue = AdmissionQueue(self.pool, config.queue.max_size, self.metrics)
         self.client = UpstreamClient(config.timeouts)
         self.health = HealthProber(self.pool, self.client, config.health)
@@ -66,6 +76,9 @@ class Dispatcher:
         self.router = Router(config, self.pool)
 
     async def start(self) -> None:
+        if self.shared is not None:
+            await self.shared.open()
+            await self.shared_keys.start()
         await self.client.start()
         await self.usage.start()
         await self.health.start()
@@ -78,6 +91,10 @@ class Dispatcher:
         await self.client.close()
         if self.store is not None:
             self.store.close()
+        if self.shared is not None:
+            await self.shared_keys.stop()
+            await self.limiter.drain()
+            await self.shared.close()
 
     # --- the internal API --------------------------------------------------------------------
 
@@ -129,7 +146,7 @@ class Dispatcher:
             deadline_s = deadline_ms / 1000
         try:
             estimate = estimate_request_tokens(endpoint, body, self.config.limits.default_max_tokens)
-            admission = self.limiter.admit(principal, estimate)
+            admission = await self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             key = self.metrics.key_label(principal)
             self.metrics.rate_limited.labels(key, exc.type).inc()
@@ -191,7 +208,7 @@ class Dispatcher:
         ctx: RequestContext,
         request: RequestBody,
         principal: Principal,
-        admission: Admission,
+        admission: Admission | SharedAdmission,
         arrival: float,
         deadline: float,
         raw_body: bytes | None,
@@ -278,8 +295,8 @@ class Dispatcher:
             "upstream_error",
         )
 
-    def _headers(self, response: UpstreamResponse, admission: Admission) -> dict[str, str]:
-        headers = self.limiter.headers(admission.limits)
+    def _headers(self, response: UpstreamResponse, admission: Admission | SharedAdmission) -> dict[str, str]:
+        headers = self.limiter.admission_headers(admission)
         headers["content-type"] = response.headers.get("content-type", "application/json")
         return headers
 
@@ -287,7 +304,7 @@ class Dispatcher:
         self,
         ctx: RequestContext,
         principal: Principal,
-        admission: Admission,
+        admission: Admission | SharedAdmission,
         arrival: float,
         result: UpstreamResult,
         outcome: str,

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ember.gateway.metrics import GatewayMetrics
     from ember.gateway.proxy import UpstreamResult
     from ember.gateway.replicas import ReplicaPool
+    from ember.gateway.shared.connection import SharedState
 
 
 @runtime_checkable  # so a test can check that the Dispatcher still provides every member
@@ -41,6 +42,7 @@ class GatewayServices(Protocol):
     pool: ReplicaPool
     keys: KeyRing
     metrics: GatewayMetrics
+    shared: SharedState | None  # PostgreSQL + Redis with state.backend shared
 
     def authenticate(self, authorization_header: str | None) -> Principal:
         """The caller of an `Authorization: Bearer <key>` header; GatewayError 401 otherwise."""

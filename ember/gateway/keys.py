@@ -18,6 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -209,11 +210,17 @@ def require_endpoint(principal: Principal, endpoint: KeyEndpoint) -> None:
         )
 
 
-class KeyRing:
-    """Authenticates bearer tokens against inline keys and the key store, with an in-memory cache."""
+class SharedKeyLookup(Protocol):
+    def find(self, digest: str) -> Principal | None: ...
 
-    def __init__(self, config: GatewayConfig, store: KeyStore | None):
+
+class KeyRing:
+    """Authenticates bearer tokens against inline keys and the key store, with an in-memory cache.
+    `shared_keys` (ember.gateway.shared.keys.SharedKeyStore) holds PostgreSQL's live keys in memory."""
+
+    def __init__(self, config: GatewayConfig, store: KeyStore | None, shared_keys: SharedKeyLookup | None = None):
         self.store = store
+        self.shared_keys = shared_keys
         self._inline = {
             key.sha256: Principal(f"inline:{key.name}", key.name, KeyPolicy(**key.model_dump(exclude={"name", "sha256"})))
             for key in config.keys.inline
@@ -236,6 +243,8 @@ class KeyRing:
         principal = self._inline.get(digest)
         if principal is None and self.store is not None:
             principal = self._lookup_store(digest)
+        if principal is None and self.shared_keys is not None:
+            principal = self.shared_keys.find(digest)
         if principal is None:
             raise GatewayError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
         return principal

@@ -81,6 +81,9 @@ class Admission:
 
 
 class RateLimiter:
+    """The embedded limiter: buckets and counters in this process (`state: {backend: embedded}`).
+    ember.gateway.shared.ratelimit.SharedRateLimiter keeps the same state in Redis for several gateways."""
+
     def __init__(self, usage: UsageLedger):
         self.usage = usage
         self._limits: dict[str, KeyLimits] = {}
@@ -91,50 +94,25 @@ class RateLimiter:
             limits = self._limits[principal.key_id] = KeyLimits(principal)
         return limits
 
-    def reserved_tokens(self, key_id: str) -> int:
+    async def reserved_tokens(self, key_id: str) -> int:
         """Tokens reserved by the key's admitted requests that have not completed yet."""
         limits = self._limits.get(key_id)
         return 0 if limits is None else limits.reserved_tokens
 
-    def admit(self, principal: Principal, estimated_tokens: int) -> Admission:
+    async def admit(self, principal: Principal, estimated_tokens: int) -> Admission:
         policy = principal.policy
         limits = self._limits_for(principal)
         now = time.monotonic()
         if policy.token_budget is not None:
-            self._check_budget(principal, limits, estimated_tokens)
+            check_budget(principal, self.usage.total_tokens(principal.key_id), limits.reserved_tokens, estimated_tokens)
         if policy.max_concurrent is not None and limits.in_flight >= policy.max_concurrent:
-            raise GatewayError(
-                429,
-                f"Too many concurrent requests for API key {principal.name!r}: limit {policy.max_concurrent}.",
-                "requests",
-                "concurrency_limit_exceeded",
-                headers={"retry-after": "1"},
-            )
+            raise concurrency_error(principal)
         request_wait = limits.requests.wait_for(1, now) if limits.requests else 0.0
         token_wait = limits.tokens.wait_for(estimated_tokens, now) if limits.tokens else 0.0
         if limits.tokens is not None and estimated_tokens > limits.tokens.capacity:
-            raise GatewayError(
-                429,
-                f"Request too large: about {estimated_tokens} tokens (prompt + max_tokens) but the key's limit "
-                f"is {policy.tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
-                "tokens",
-                "rate_limit_exceeded",
-                headers=self.headers(limits, now),
-            )
+            raise too_large_error(principal, estimated_tokens, self.headers(limits, now))
         if request_wait > 0 or token_wait > 0:
-            wait = max(request_wait, token_wait)
-            which, limit = ("requests", policy.rpm) if request_wait >= token_wait else ("tokens", policy.tpm)
-            headers = self.headers(limits, now)
-            headers["retry-after"] = str(max(1, math.ceil(wait)))
-            headers["retry-after-ms"] = str(math.ceil(wait * 1000))
-            raise GatewayError(
-                429,
-                f"Rate limit reached for API key {principal.name!r} on {which} per min: limit {limit}. "
-                f"Please try again in {format_duration(wait)}.",
-                which,
-                "rate_limit_exceeded",
-                headers=headers,
-            )
+            raise rate_error(principal, request_wait, token_wait, self.headers(limits, now))
         if limits.requests:
             limits.requests.take(1)
         if limits.tokens:
@@ -142,24 +120,6 @@ class RateLimiter:
         limits.in_flight += 1
         limits.reserved_tokens += estimated_tokens
         return Admission(principal, limits, estimated_tokens)
-
-    def _check_budget(self, principal: Principal, limits: KeyLimits, estimated_tokens: int) -> None:
-        """Refuse a request whose estimate does not fit what the budget has left once the requests
-        in flight are paid for: a burst then cannot spend more than the budget."""
-        budget = principal.policy.token_budget
-        used = self.usage.total_tokens(principal.key_id)
-        if used >= budget:
-            message = f"API key {principal.name!r} has used its token budget of {budget} tokens."
-        elif used + limits.reserved_tokens + estimated_tokens > budget:
-            left = max(budget - used - limits.reserved_tokens, 0)
-            message = (
-                f"Request needs up to about {estimated_tokens} tokens (prompts + max_tokens for each choice) but API "
-                f"key {principal.name!r} has {left} of its token budget of {budget} tokens left "
-                f"({limits.reserved_tokens} reserved by requests in flight). Lower max_tokens or n, or send fewer prompts."
-            )
-        else:
-            return
-        raise GatewayError(429, message, "insufficient_quota", "insufficient_quota")
 
     def settle(self, admission: Admission, used_tokens: int | None) -> None:
         """Release the concurrency slot and the budget reservation, and replace the TPM estimate by
@@ -171,17 +131,89 @@ class RateLimiter:
         if limits.tokens is not None and used_tokens is not None:
             limits.tokens.take(used_tokens - admission.estimated_tokens)
 
+    def admission_headers(self, admission: Admission) -> dict[str, str]:
+        """The `x-ratelimit-*` headers of an admitted request's response."""
+        return self.headers(admission.limits)
+
     def headers(self, limits: KeyLimits, now: float | None = None) -> dict[str, str]:
         now = time.monotonic() if now is None else now
-        headers: dict[str, str] = {}
-        if limits.requests is not None:
-            bucket = limits.requests
-            headers["x-ratelimit-limit-requests"] = str(int(bucket.capacity))
-            headers["x-ratelimit-remaining-requests"] = str(max(int(bucket.level), 0))
-            headers["x-ratelimit-reset-requests"] = format_duration(bucket.reset_s(now))
-        if limits.tokens is not None:
-            bucket = limits.tokens
-            headers["x-ratelimit-limit-tokens"] = str(int(bucket.capacity))
-            headers["x-ratelimit-remaining-tokens"] = str(max(int(bucket.level), 0))
-            headers["x-ratelimit-reset-tokens"] = format_duration(bucket.reset_s(now))
-        return headers
+        requests, tokens = limits.requests, limits.tokens
+        return limit_headers(
+            None if requests is None else BucketState(requests.capacity, requests.level, requests.reset_s(now)),
+            None if tokens is None else BucketState(tokens.capacity, tokens.level, tokens.reset_s(now)),
+        )
+
+
+# --- shared by the embedded and the shared (Redis) limiter: the same 429s and headers --------------
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    capacity: float
+    level: float
+    reset_s: float  # until the bucket is full again
+
+
+def limit_headers(requests: BucketState | None, tokens: BucketState | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, bucket in (("requests", requests), ("tokens", tokens)):
+        if bucket is not None:
+            headers[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+            headers[f"x-ratelimit-remaining-{name}"] = str(max(int(bucket.level), 0))
+            headers[f"x-ratelimit-reset-{name}"] = format_duration(bucket.reset_s)
+    return headers
+
+
+def check_budget(principal: Principal, used: int, reserved: int, estimated_tokens: int) -> None:
+    """Refuse a request whose estimate does not fit what the budget has left once the requests
+    in flight (`reserved`) are paid for: a burst then cannot spend more than the budget."""
+    budget = principal.policy.token_budget
+    if used >= budget:
+        message = f"API key {principal.name!r} has used its token budget of {budget} tokens."
+    elif used + reserved + estimated_tokens > budget:
+        left = max(budget - used - reserved, 0)
+        message = (
+            f"Request needs up to about {estimated_tokens} tokens (prompts + max_tokens for each choice) but API "
+            f"key {principal.name!r} has {left} of its token budget of {budget} tokens left "
+            f"({reserved} reserved by requests in flight). Lower max_tokens or n, or send fewer prompts."
+        )
+    else:
+        return
+    raise GatewayError(429, message, "insufficient_quota", "insufficient_quota")
+
+
+def concurrency_error(principal: Principal) -> GatewayError:
+    return GatewayError(
+        429,
+        f"Too many concurrent requests for API key {principal.name!r}: limit {principal.policy.max_concurrent}.",
+        "requests",
+        "concurrency_limit_exceeded",
+        headers={"retry-after": "1"},
+    )
+
+
+def too_large_error(principal: Principal, estimated_tokens: int, headers: dict[str, str]) -> GatewayError:
+    return GatewayError(
+        429,
+        f"Request too large: about {estimated_tokens} tokens (prompt + max_tokens) but the key's limit "
+        f"is {principal.policy.tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
+        "tokens",
+        "rate_limit_exceeded",
+        headers=headers,
+    )
+
+
+def rate_error(principal: Principal, request_wait: float, token_wait: float, headers: dict[str, str]) -> GatewayError:
+    """The 429 of a key whose RPM or TPM bucket lacks what the request needs for `max(waits)` seconds."""
+    policy = principal.policy
+    wait = max(request_wait, token_wait)
+    which, limit = ("requests", policy.rpm) if request_wait >= token_wait else ("tokens", policy.tpm)
+    headers = {**headers, "retry-after": str(max(1, math.ceil(wait))), "retry-after-ms": str(math.ceil(wait * 1000))}
+    return GatewayError(
+        429,
+        f"Rate limit reached for API key {principal.name!r} on {which} per min: limit {limit}. "
+        f"Please try again in {format_duration(wait)}.",
+        which,
+        "rate_limit_exceeded",
+        headers=headers,
+    )

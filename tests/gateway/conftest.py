@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gateway_harness import FakeReplica, GatewayServer  # noqa: E402
 from protocols_support import ProtocolGateway, protocol_config  # noqa: E402
+from shared_stores import shared_state  # noqa: E402,F401  (the fixture of the shared-state tests)
 
 
 @pytest.fixture

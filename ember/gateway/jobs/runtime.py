@@ -18,6 +18,8 @@ from ember.gateway.jobs.store_batches import BatchStore
 from ember.gateway.jobs.webhooks import WebhookSender
 from ember.gateway.jobs.worker import JobWorkerPool
 from ember.gateway.keys import Principal, require_endpoint
+from ember.gateway.shared.batches import SharedBatchStore
+from ember.gateway.shared.jobs import SharedJobStore
 
 if TYPE_CHECKING:
     from ember.gateway.extensions import GatewayServices
@@ -41,12 +43,25 @@ def not_found(kind: str, object_id: str) -> GatewayError:
     )
 
 
+def revoked_submitter() -> GatewayError:
+    return GatewayError(
+        401, "The API key that submitted this job was revoked.", "invalid_request_error", "invalid_api_key"
+    )
+
+
 class JobsRuntime:
     def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None = None) -> None:
         self.dispatcher = dispatcher
         self.config = config
-        self.store = JobStore(config.store_path(base_dir))
-        self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
+        # state.backend shared: jobs, files and batches in PostgreSQL, jobs leased to the gateway running them.
+        self.store: JobStore | SharedJobStore
+        self.batch_store: BatchStore | SharedBatchStore
+        if dispatcher.shared is not None:
+            self.store = SharedJobStore(dispatcher.shared, config.jobs.max_attempts)
+            self.batch_store = SharedBatchStore(self.store)
+        else:
+            self.store = JobStore(config.store_path(base_dir))
+            self.batch_store = BatchStore(self.store)  # the Files and Batch API tables of the same file
         self.metrics = JobMetrics(dispatcher.metrics.registry)
         self.webhooks = WebhookSender(self.store, config.webhooks, self.metrics)
         self.workers = JobWorkerPool(self.store, self._dispatch_job, self.webhooks, config.jobs, self.metrics)
@@ -77,19 +92,20 @@ class JobsRuntime:
     def principal_for(self, job: Job) -> Principal:
         """The job's submitter, re-checked now: a key revoked since submission no longer runs jobs."""
         owner = job.owner
-        store = self.dispatcher.keys.store
+        keys = self.dispatcher.keys
+        if keys.shared_keys is not None and not owner["key_id"].startswith("inline:"):
+            principal = keys.shared_keys.live_key(owner["key_id"])
+            if principal is None:
+                raise revoked_submitter()
+            return principal
+        store = keys.store
         if store is not None and not owner["key_id"].startswith("inline:"):
             try:
                 record = store.get(owner["key_id"])
             except Exception:  # noqa: BLE001 - an unknown key is treated like a revoked one
                 record = None
             if record is None or record.revoked_at is not None:
-                raise GatewayError(
-                    401,
-                    "The API key that submitted this job was revoked.",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
+                raise revoked_submitter()
             return Principal(record.id, record.name, record.policy)
         return Principal(owner["key_id"], owner["name"], KeyPolicy.model_validate(owner["policy"]))
 

@@ -71,7 +71,7 @@ class BatchStore:
                 f"SELECT {_FILE_COLUMNS} FROM files WHERE key_id = ? ORDER BY created_at DESC, rowid DESC",
                 (key_id,),
             )
-            return [_stored_file(row) for row in rows]
+            return [stored_file(row) for row in rows]
 
         return await self.store.transaction(read)
 
@@ -131,7 +131,7 @@ class BatchStore:
                     params += [anchor[0], anchor[0], anchor[1]]
             query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
             rows = conn.execute(query, (*params, limit)).fetchall()
-            return [_batch_object(row, _job_counts(conn, row["id"])) for row in rows]
+            return [batch_object(row, _job_counts(conn, row["id"])) for row in rows]
 
         return await self.store.transaction(read)
 
@@ -218,7 +218,7 @@ class BatchStore:
 _FILE_COLUMNS = "id, key_id, filename, purpose, bytes, created_at"
 
 
-def _stored_file(row: sqlite3.Row) -> StoredFile:
+def stored_file(row: sqlite3.Row) -> StoredFile:
     return StoredFile(row["id"], row["key_id"], row["filename"], row["purpose"], row["bytes"], row["created_at"])
 
 
@@ -237,7 +237,7 @@ def _select_file(conn: sqlite3.Connection, file_id: str, key_id: str) -> StoredF
     row = conn.execute(
         f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND key_id = ?", (file_id, key_id)
     ).fetchone()
-    return None if row is None else _stored_file(row)
+    return None if row is None else stored_file(row)
 
 
 def _select_content(conn: sqlite3.Connection, file_id: str, key_id: str) -> bytes | None:
@@ -251,10 +251,10 @@ def _job_counts(conn: sqlite3.Connection, batch_id: str) -> dict[str, int]:
 
 def _select_batch(conn: sqlite3.Connection, batch_id: str, key_id: str) -> dict[str, Any] | None:
     row = conn.execute("SELECT * FROM batches WHERE id = ? AND key_id = ?", (batch_id, key_id)).fetchone()
-    return None if row is None else _batch_object(row, _job_counts(conn, batch_id))
+    return None if row is None else batch_object(row, _job_counts(conn, batch_id))
 
 
-def _batch_object(row: sqlite3.Row, counts: dict[str, int]) -> dict[str, Any]:
+def batch_object(row: sqlite3.Row, counts: dict[str, int]) -> dict[str, Any]:
     """The OpenAI batch object of a `batches` row, with request counts from its jobs' statuses."""
 
     def ts(name: str) -> int | None:

@@ -41,6 +41,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # Deliveries in flight at once; the rest wait their turn (a burst of finished jobs must not open
 # thousands of connections).
 MAX_CONCURRENT_DELIVERIES = 32
+# How often pending deliveries no task holds are looked for (a shared store's dead gateways leave some).
+RESUME_INTERVAL_S = 1.0
 
 
 class WebhookURLError(ValueError):
@@ -179,19 +181,35 @@ class WebhookSender:
         self._client: httpx.AsyncClient | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_DELIVERIES)
+        self._resumer: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if not self.master_secret:
             self.master_secret = await self.store.meta_value("webhook_master_secret", generate_secret)
         self._client = side_client(self.config.timeout_s)
-        for job in await self.store.jobs_with_pending_webhooks():
+        for job in await self.store.jobs_with_pending_webhooks():  # cut short by a restart
             self.submit(job)
+        self._resumer = asyncio.create_task(self._resume_pending(), name="ember-webhook-resume")
+
+    async def _resume_pending(self) -> None:
+        """Every RESUME_INTERVAL_S, deliveries left pending that no task holds: with the shared job
+        store, those of a gateway that died."""
+        while True:
+            await asyncio.sleep(RESUME_INTERVAL_S)
+            try:
+                for job in await self.store.jobs_with_pending_webhooks():
+                    self.submit(job)
+            except Exception:  # noqa: BLE001 - e.g. the store is briefly unreachable: try again later
+                logger.exception("webhooks: could not read pending deliveries")
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
+        if self._resumer is not None:
+            tasks.append(self._resumer)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._resumer = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None

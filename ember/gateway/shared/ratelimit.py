@@ -1,0 +1,229 @@
+"""Per-key limits shared by every gateway (`state: {backend: shared}`): RPM/TPM token buckets, concurrency
+slots and budget reservations live in Redis, and each operation is one Lua script, so two gateways
+admitting at the same instant cannot both take the last token. The refusals and headers are the
+embedded limiter's (ember.gateway.ratelimit), built by the same functions.
+
+Per key (the `{key_id}` hash tag keeps one key's state in one Redis Cluster slot):
+    <prefix>:limits:{<key_id>}:requests   hash {level, updated_ms}   RPM bucket
+    <prefix>:limits:{<key_id>}:tokens     hash {level, updated_ms}   TPM bucket
+    <prefix>:limits:{<key_id>}:leases     zset admission id -> lease expiry (ms)   concurrency slots
+    <prefix>:limits:{<key_id>}:reserved   hash admission id -> estimated tokens    budget reservations
+
+Clocks come from Redis (TIME), never from a gateway. A bucket's hash expires once it would be full
+again, so an idle key costs nothing. A gateway that dies with requests in flight cannot settle them:
+their slots and reservations lapse when their lease (`state.redis.lease_s`) expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from ember.gateway.keys import Principal
+from ember.gateway.ratelimit import (
+    BucketState,
+    check_budget,
+    concurrency_error,
+    limit_headers,
+    rate_error,
+    too_large_error,
+)
+from ember.gateway.shared.connection import SharedState, state_unavailable
+from ember.gateway.usage import UsageLedger
+
+logger = logging.getLogger(__name__)
+
+# Shared by both scripts: a bucket's level refilled to `now` (nil when the key has no such limit).
+_REFILL = """
+local function refill(key, capacity, now)
+  if capacity <= 0 then return nil end
+  local state = redis.call('HMGET', key, 'level', 'updated_ms')
+  local level = tonumber(state[1]) or capacity
+  local updated = tonumber(state[2]) or now
+  return math.min(capacity, level + (now - updated) * capacity / 60000)
+end
+local function store(key, capacity, level, now)
+  redis.call('HSET', key, 'level', tostring(level), 'updated_ms', tostring(now))
+  redis.call('PEXPIRE', key, math.ceil((capacity - level) * 60000 / capacity) + 1000)
+end
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: requests bucket, tokens bucket, leases, reserved.
+# ARGV: rpm, tpm, estimate, max_concurrent, budget (-1: none), used tokens, admission id, lease ms.
+# Returns {verdict, requests level, tokens level, reserved, wait ms for requests, wait ms for tokens}; levels
+# as strings ('' without that limit) since Lua numbers reach Redis replies truncated to integers.
+_ADMIT = (
+    _REFILL
+    + """
+local rpm, tpm, estimate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_concurrent, budget, used = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = clock()
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREM', KEYS[3], unpack(expired))
+  redis.call('HDEL', KEYS[4], unpack(expired))
+end
+local reserved = 0
+for _, tokens in ipairs(redis.call('HVALS', KEYS[4])) do reserved = reserved + tonumber(tokens) end
+local requests = refill(KEYS[1], rpm, now)
+local tokens = refill(KEYS[2], tpm, now)
+local function answer(verdict, request_wait, token_wait)
+  return {verdict, tostring(requests or ''), tostring(tokens or ''), reserved,
+          tostring(request_wait), tostring(token_wait)}
+end
+if budget >= 0 and (used >= budget or used + reserved + estimate > budget) then return answer('budget', 0, 0) end
+if max_concurrent > 0 and redis.call('ZCARD', KEYS[3]) >= max_concurrent then
+  return answer('concurrency', 0, 0)
+end
+local request_wait, token_wait = 0, 0
+if requests and requests < 1 then request_wait = (1 - requests) * 60000 / rpm end
+if tokens and tokens < estimate then token_wait = (estimate - tokens) * 60000 / tpm end
+if tokens and estimate > tpm then return answer('too_large', 0, 0) end
+if request_wait > 0 or token_wait > 0 then return answer('rate', request_wait, token_wait) end
+if requests then requests = requests - 1; store(KEYS[1], rpm, requests, now) end
+if tokens then tokens = tokens - estimate; store(KEYS[2], tpm, tokens, now) end
+local lease_ms = tonumber(ARGV[8])
+redis.call('ZADD', KEYS[3], now + lease_ms, ARGV[7])
+redis.call('HSET', KEYS[4], ARGV[7], estimate)
+redis.call('PEXPIRE', KEYS[3], lease_ms)
+redis.call('PEXPIRE', KEYS[4], lease_ms)
+return answer('ok', 0, 0)
+"""
+)
+
+# KEYS: tokens bucket, leases, reserved. ARGV: admission id, tpm, correction (used - estimate; '' unknown).
+_SETTLE = (
+    _REFILL
+    + """
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+local tpm = tonumber(ARGV[2])
+if tpm > 0 and ARGV[3] ~= '' then
+  local now = clock()
+  store(KEYS[1], tpm, refill(KEYS[1], tpm, now) - tonumber(ARGV[3]), now)
+end
+return 1
+"""
+)
+
+# KEYS: reserved, leases. The tokens reserved by live (unexpired) admissions.
+_RESERVED = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
+local total = 0
+for _, id in ipairs(live) do total = total + (tonumber(redis.call('HGET', KEYS[1], id)) or 0) end
+return total
+"""
+
+
+@dataclass(slots=True)
+class SharedAdmission:
+    """One admitted request's claim in Redis; `settle` it exactly once."""
+
+    principal: Principal
+    admission_id: str
+    estimated_tokens: int
+    headers: dict[str, str]  # the x-ratelimit-* state right after admission
+
+
+class SharedRateLimiter:
+    def __init__(self, state: SharedState, usage: UsageLedger):
+        self.redis = state.redis
+        self.prefix = state.key_prefix
+        self.lease_ms = math.ceil(state.lease_s * 1000)
+        self.usage = usage
+        self._admit = self.redis.register_script(_ADMIT)
+        self._settle = self.redis.register_script(_SETTLE)
+        self._reserved = self.redis.register_script(_RESERVED)
+        self._settling: set[asyncio.Task] = set()
+
+    def _key(self, key_id: str, part: str) -> str:
+        return f"{self.prefix}:limits:{{{key_id}}}:{part}"
+
+    async def reserved_tokens(self, key_id: str) -> int:
+        try:
+            return int(
+                await self._reserved(keys=[self._key(key_id, "reserved"), self._key(key_id, "leases")])
+            )
+        except aioredis.RedisError as exc:
+            raise state_unavailable("Redis", exc) from None
+
+    async def admit(self, principal: Principal, estimated_tokens: int) -> SharedAdmission:
+        policy = principal.policy
+        key_id = principal.key_id
+        admission_id = uuid.uuid4().hex
+        budget = -1 if policy.token_budget is None else policy.token_budget
+        used = self.usage.total_tokens(key_id)  # read once: the script and the refusal must agree
+        try:
+            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._admit(
+                keys=[self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved")],
+                args=[
+                    policy.rpm or 0,
+                    policy.tpm or 0,
+                    estimated_tokens,
+                    policy.max_concurrent or 0,
+                    budget,
+                    used,
+                    admission_id,
+                    self.lease_ms,
+                ],
+            )
+        except aioredis.RedisError as exc:
+            raise state_unavailable("Redis", exc) from None
+        headers = limit_headers(_bucket(policy.rpm, requests), _bucket(policy.tpm, tokens))
+        if verdict == "budget":
+            check_budget(principal, used, int(reserved), estimated_tokens)  # raises: same figures
+        elif verdict == "concurrency":
+            raise concurrency_error(principal)
+        elif verdict == "too_large":
+            raise too_large_error(principal, estimated_tokens, headers)
+        elif verdict == "rate":
+            raise rate_error(principal, float(request_wait_ms) / 1000, float(token_wait_ms) / 1000, headers)
+        return SharedAdmission(principal, admission_id, estimated_tokens, headers)
+
+    def settle(self, admission: SharedAdmission, used_tokens: int | None) -> None:
+        """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. It
+        runs as a task because requests finish in synchronous callbacks; `drain` waits for them."""
+        task = asyncio.get_running_loop().create_task(self._settle_now(admission, used_tokens))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_now(self, admission: SharedAdmission, used_tokens: int | None) -> None:
+        key_id = admission.principal.key_id
+        correction = "" if used_tokens is None else used_tokens - admission.estimated_tokens
+        try:
+            await self._settle(
+                keys=[self._key(key_id, part) for part in ("tokens", "leases", "reserved")],
+                args=[admission.admission_id, admission.principal.policy.tpm or 0, correction],
+            )
+        except aioredis.RedisError as exc:
+            # The lease expires instead: the slot and reservation come back after state.redis.lease_s.
+            logger.warning(
+                "could not settle admission %s of key %s in Redis: %s", admission.admission_id, key_id, exc
+            )
+
+    async def drain(self) -> None:
+        """Wait for the settlements still being written (at shutdown)."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def admission_headers(self, admission: SharedAdmission) -> dict[str, str]:
+        return dict(admission.headers)
+
+
+def _bucket(capacity: int | None, level: str) -> BucketState | None:
+    """A bucket's header state from the level the script returned."""
+    if not capacity:
+        return None
+    value = float(level)
+    return BucketState(capacity, value, (capacity - value) * 60 / capacity)
