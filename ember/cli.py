@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "up",
     "fleet",
     "deploy",
+    "autoscale",
     "simulate",
     "keys",
     "bench",
@@ -26,11 +27,12 @@ COMMAND_EXTRAS = {
     "gateway": "gateway",
     "up": "gateway",
     "deploy": "gateway",
+    "autoscale": "gateway",
     "keys": "gateway",
     "bench": "bench",
 }
-# Packages that only some runs of a command import, with their own extra (`ember up` with launch.ray).
-MODULE_EXTRAS = {"ray": "ray"}
+# Packages that only some runs of a command import, with their own extra (`ember up` with launch.ray, `ember autoscale`).
+MODULE_EXTRAS = {"ray": "ray", "kubernetes": "kubernetes"}
 
 
 def build_parser() -> argparse.ArgumentParser:

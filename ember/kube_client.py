@@ -12,7 +12,10 @@ from kubernetes import client, config
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def api_client() -> client.ApiClient:
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """From `kubeconfig` when given; else in a pod its service account, elsewhere $KUBECONFIG."""
+    if kubeconfig is not None:
+        return config.new_client_from_config(config_file=os.path.expanduser(kubeconfig))
     try:
         config.load_incluster_config()
         return client.ApiClient()

@@ -54,6 +54,17 @@ class KubernetesGateway(StrictModel):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
 
 
+class KubernetesAutoscaler(StrictModel):
+    """Where `ember autoscale` finds the cluster and its gateway (the Deployments are the rendered ones)."""
+
+    gateway_url: str | None = Field(
+        default=None, description="The gateway whose /metrics it reads; default: the rendered gateway Service"
+    )
+    kubeconfig: str | None = Field(
+        default=None, description="Kubeconfig file; default: in a pod its service account, else $KUBECONFIG"
+    )
+
+
 class KubernetesLaunch(StrictModel):
     namespace: str = "ember"
     image: str = "ember:0.1.0-cpu"
@@ -64,3 +75,4 @@ class KubernetesLaunch(StrictModel):
         default=5, ge=0, description="Seconds a terminating pod keeps serving so that routing drops it before its drain"
     )
     service_monitor: bool = Field(default=True, description="Render a Prometheus Operator ServiceMonitor")
+    autoscaler: KubernetesAutoscaler = Field(default_factory=KubernetesAutoscaler)

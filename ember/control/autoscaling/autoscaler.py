@@ -119,8 +119,11 @@ class Autoscaler:
         provider: ReplicaProvider,
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
+        gateway_url: str | None = None,
     ):
         self.fleet = fleet
+        # The local gateway `ember up` starts, unless the gateway runs elsewhere (`ember autoscale`).
+        self.gateway_url = gateway_url or fleet.gateway_url
         self.provider = provider
         self.log = log
         self.clock = clock
@@ -170,7 +173,7 @@ class Autoscaler:
     async def step(self) -> None:
         now = self.clock()
         try:
-            gateway = parse_samples((await self._http.get(self.fleet.gateway_url + "/metrics")).text)
+            gateway = parse_samples((await self._http.get(self.gateway_url + "/metrics")).text)
         except (httpx.HTTPError, ValueError):
             return  # the gateway is starting or restarting: decide (and account) on the next round
         elapsed = 0.0 if self._last_step is None else now - self._last_step

@@ -30,6 +30,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from ember.control.autoscaling.provider import GatewayAdmin, ManagedReplica, ReplicaState
+from ember.control.fleet import Fleet, FleetError
+from ember.deploy.kubernetes import HTTP_PORT, model_deployments
+from ember.deploy.settings import KubernetesLaunch
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 LOWEST_DELETION_COST = str(-(2**31))  # an int32: the pod the ReplicaSet controller deletes first
@@ -45,6 +48,21 @@ class KubernetesTarget:
     service: str  # its Service, the gateway's discovery source (replica ids are namespace/service/pod)
     namespace: str
     port: int = 8000
+
+
+def fleet_targets(fleet: Fleet) -> dict[str, KubernetesTarget]:
+    """The Deployment of each autoscaled model, named as `ember deploy k8s` renders it."""
+    settings = fleet.launch.kubernetes or KubernetesLaunch()
+    rendered: dict[str, list[str]] = {}
+    for item in model_deployments(fleet, settings):
+        rendered.setdefault(item.model, []).append(item.name)
+    targets = {}
+    for model in fleet.autoscaled:
+        (name, *others) = rendered[model]
+        if others:  # one Deployment is what the provider scales
+            raise FleetError(f"{fleet.path}: models.{model}: an autoscaled model on Kubernetes has one deployment")
+        targets[model] = KubernetesTarget(deployment=name, service=name, namespace=settings.namespace, port=HTTP_PORT)
+    return targets
 
 
 class KubernetesProvider:
