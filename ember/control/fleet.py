@@ -15,7 +15,7 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       ray:                                    # optional: the autoscaled replicas run as Ray actors (docs/ray.md)
         address: local                        # or auto, ray://head:10001, head:6379
         replica: {num_cpus: 1, num_gpus: 0}
-      kubernetes: {...}                       # `ember deploy k8s` only (ember.deploy.settings)
+      kubernetes: {...}                       # `ember deploy k8s` and `ember autoscale` (ember.deploy.settings)
 
 Each launched replica serves, as `--served-model-name`, the model ids its deployments send upstream,
 so the gateway's requests always name a model the replica knows.
@@ -143,7 +143,7 @@ class LaunchConfig(StrictModel):
     autoscaled: dict[str, LaunchAutoscaled] = Field(default_factory=dict)
     autoscaler: LaunchAutoscaler = Field(default_factory=LaunchAutoscaler)
     ray: LaunchRay | None = Field(default=None, description="Run the autoscaled models' replicas as Ray actors")
-    kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` only
+    kubernetes: KubernetesLaunch | None = None  # `ember deploy k8s` and `ember autoscale`
 
 
 @dataclass(frozen=True)

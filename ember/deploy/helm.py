@@ -22,6 +22,8 @@ import yaml
 from ember.commands.up import default_fleet_path
 from ember.control.fleet import load_fleet
 from ember.deploy.kubernetes import (
+    AUTOSCALER_NAME,
+    CONTROL_TOKEN_SECRET,
     CREDENTIAL_SECRET,
     GATEWAY_NAME,
     KEYS_SECRET,
@@ -47,6 +49,7 @@ VALUES_HEADER = """\
 VALUES_COMMENTS = {
     "image": "# The image of deploy/Dockerfile (CPU; see docs/kubernetes.md for the CUDA variant).",
     "fleetCredential": "# Required: the key every replica requires and only the gateway sends (e.g. `openssl rand -base64 32`).",
+    "controlToken": "# Required: the token the autoscaler drains pods at the gateway with (e.g. `openssl rand -base64 32`).",
     "gateway": "# The gateway Deployment: pod count, resources, Service type.",
     "replicas": "# Per model deployment (the Kubernetes name of its Deployment): pod count and resources.",
     "gatewayConfig": "# The gateway config (docs/gateway.md) without its keys; replicas are discovered from the Services.",
@@ -69,7 +72,7 @@ def _templated(obj: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     obj["metadata"]["namespace"] = SCALAR.format(".Release.Namespace")
     if kind == "RoleBinding":
         obj["subjects"][0]["namespace"] = SCALAR.format(".Release.Namespace")
-    elif kind == "ConfigMap":
+    elif kind == "ConfigMap" and name == GATEWAY_NAME:  # the autoscaler's fleet file stays as rendered
         values["gatewayConfig"] = yaml.safe_load(obj["data"]["gateway.yaml"])
         obj["data"]["gateway.yaml"] = TEXT_BLOCK.format(_values_path("gatewayConfig"))
     elif kind == "Secret" and name == KEYS_SECRET:
@@ -79,6 +82,11 @@ def _templated(obj: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
         obj["stringData"]["credential"] = SCALAR.format(
             f'required "set fleetCredential" {_values_path("fleetCredential")} | quote'
         )
+    elif kind == "Secret" and name == CONTROL_TOKEN_SECRET:
+        values["controlToken"] = ""
+        obj["stringData"]["token"] = SCALAR.format(f'required "set controlToken" {_values_path("controlToken")} | quote')
+    elif kind == "Deployment" and name == AUTOSCALER_NAME:  # one pod, its own small resources: only its image
+        _template_image(obj["spec"]["template"]["spec"]["containers"][0])
     elif kind == "Deployment":
         path = ("gateway",) if name == GATEWAY_NAME else ("replicas", name)
         container = obj["spec"]["template"]["spec"]["containers"][0]
@@ -91,14 +99,18 @@ def _templated(obj: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
             values.setdefault("replicas", {})[name] = section
         obj["spec"]["replicas"] = SCALAR.format(_values_path(*path, "replicas"))
         container["resources"] = BLOCK.format(_values_path(*path, "resources"))
-        container["image"] = SCALAR.format(_values_path("image", "repository")) + ":" + SCALAR.format(
-            _values_path("image", "tag")
-        )
-        container["imagePullPolicy"] = SCALAR.format(_values_path("image", "pullPolicy"))
+        _template_image(container)
     elif kind == "Service" and name == GATEWAY_NAME:
         values.setdefault("gateway", {})["serviceType"] = obj["spec"]["type"]
         obj["spec"]["type"] = SCALAR.format(_values_path("gateway", "serviceType"))
     return obj
+
+
+def _template_image(container: dict[str, Any]) -> None:
+    container["image"] = SCALAR.format(_values_path("image", "repository")) + ":" + SCALAR.format(
+        _values_path("image", "tag")
+    )
+    container["imagePullPolicy"] = SCALAR.format(_values_path("image", "pullPolicy"))
 
 
 def _template_text(objects: list[dict[str, Any]]) -> str:
@@ -130,7 +142,9 @@ def chart_files(fleet_path: str | Path | None = None) -> dict[str, str]:
         f"{{{{- if {_values_path('serviceMonitor', 'enabled')} }}}}\n{_template_text([monitor])}{{{{- end }}}}\n"
     )
     files["values.yaml"] = VALUES_HEADER + "".join(
-        f"\n{comment}\n{yaml.safe_dump({key: values[key]}, sort_keys=False)}" for key, comment in VALUES_COMMENTS.items()
+        f"\n{comment}\n{yaml.safe_dump({key: values[key]}, sort_keys=False)}"
+        for key, comment in VALUES_COMMENTS.items()
+        if key in values  # controlToken: only in the chart of a fleet with autoscaled models
     )
     files["Chart.yaml"] = yaml.safe_dump(
         {"apiVersion": "v2", "name": "ember", "description": "Ember: the gateway and its `ember serve` replicas",

@@ -29,7 +29,7 @@ import yaml
 
 from ember.control.fleet import Fleet, FleetError
 from ember.deploy.settings import KubernetesLaunch, KubernetesModel, Resources
-from ember.gateway.config import FLEET_CREDENTIAL_ENV
+from ember.gateway.config import CONTROL_TOKEN_ENV, FLEET_CREDENTIAL_ENV
 from ember.server.settings import API_KEY_ENV
 
 HTTP_PORT = 8000
@@ -41,6 +41,9 @@ KEYS_DIR = "/etc/ember/keys"
 GATEWAY_NAME = "ember-gateway"
 CREDENTIAL_SECRET = "ember-fleet-credential"
 KEYS_SECRET = "ember-gateway-keys"
+AUTOSCALER_NAME = "ember-autoscaler"
+AUTOSCALER_DIR = "/etc/ember/autoscaler"
+CONTROL_TOKEN_SECRET = "ember-control-token"
 PART_OF = "ember"
 
 
@@ -263,7 +266,9 @@ def replica_objects(item: ModelDeployment, settings: KubernetesLaunch) -> list[d
     return [deployment, _service(item.name, namespace, "replica"), _disruption_budget(item.name, namespace, "replica")]
 
 
-def gateway_objects(settings: KubernetesLaunch, config: dict, secret_overlay: dict, credential: str) -> list[dict]:
+def gateway_objects(
+    settings: KubernetesLaunch, config: dict, secret_overlay: dict, credential: str, autoscaled: bool
+) -> list[dict]:
     namespace = settings.namespace
     labels = _labels(GATEWAY_NAME, "gateway")
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(GATEWAY_NAME, namespace, labels),
@@ -283,7 +288,9 @@ def gateway_objects(settings: KubernetesLaunch, config: dict, secret_overlay: di
     container = {
         "args": ["gateway", "--config", f"{CONFIG_DIR}/gateway.yaml", "--config-overlay", f"{KEYS_DIR}/keys.yaml",
                  "--host", "0.0.0.0", "--port", str(HTTP_PORT)],  # fmt: skip
-        "env": [_secret_env(FLEET_CREDENTIAL_ENV, CREDENTIAL_SECRET, "credential")],
+        "env": [_secret_env(FLEET_CREDENTIAL_ENV, CREDENTIAL_SECRET, "credential")]
+        # The token the autoscaler drains pods with, accepted by the admin API (ember.gateway.admin).
+        + ([_secret_env(CONTROL_TOKEN_ENV, CONTROL_TOKEN_SECRET, "token")] if autoscaled else []),
         "resources": _resources(settings.gateway.resources),
         # /health, not /ready: a gateway with one model down still serves the others (and answers 503 for it).
         "readinessProbe": _http_probe("/health", 2, 1),
@@ -301,6 +308,48 @@ def gateway_objects(settings: KubernetesLaunch, config: dict, secret_overlay: di
     return [config_map, keys_secret, credential_secret, account, role, binding, deployment, service, budget]
 
 
+def autoscaler_fleet(config: dict, raw: dict, autoscaled: list[str]) -> dict[str, Any]:
+    """The fleet file `ember autoscale` reads in its pod: the autoscaled models as the gateway discovers
+    them (no keys, no credential: it sends no request) and the launch section without local processes."""
+    models = {
+        name: {**config["models"][name],
+               "deployments": [{k: v for k, v in d.items() if k != "api_key_env"} for d in config["models"][name]["deployments"]]}
+        for name in autoscaled
+    }  # fmt: skip
+    return {"models": models, "launch": {k: v for k, v in raw["launch"].items() if k not in ("replicas", "gateway")}}
+
+
+def autoscaler_objects(settings: KubernetesLaunch, fleet_document: dict, control_token: str) -> list[dict]:
+    """`ember autoscale` as a one-pod Deployment, allowed to scale the Deployments and choose their pods."""
+    namespace = settings.namespace
+    labels = _labels(AUTOSCALER_NAME, "autoscaler")
+    token_secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                    "metadata": _meta(CONTROL_TOKEN_SECRET, namespace, _labels(CONTROL_TOKEN_SECRET, "credential")),
+                    "stringData": {"token": control_token}}  # fmt: skip
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(AUTOSCALER_NAME, namespace, labels),
+                  "data": {"fleet.yaml": yaml.safe_dump(fleet_document, sort_keys=False)}}  # fmt: skip
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(AUTOSCALER_NAME, namespace, labels)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(AUTOSCALER_NAME, namespace, labels),
+            "rules": [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]},
+                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]}  # fmt: skip
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(AUTOSCALER_NAME, namespace, labels),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": AUTOSCALER_NAME},
+               "subjects": [{"kind": "ServiceAccount", "name": AUTOSCALER_NAME, "namespace": namespace}]}  # fmt: skip
+    container = {
+        "args": ["autoscale", f"{AUTOSCALER_DIR}/fleet.yaml"],
+        "env": [_secret_env(CONTROL_TOKEN_ENV, CONTROL_TOKEN_SECRET, "token")],
+        "resources": _resources(Resources(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "512Mi"})),
+        "volumeMounts": [{"name": "fleet", "mountPath": AUTOSCALER_DIR, "readOnly": True}],
+    }
+    pod_extra = {"serviceAccountName": AUTOSCALER_NAME, "volumes": [{"name": "fleet", "configMap": {"name": AUTOSCALER_NAME}}]}
+    deployment = _deployment(AUTOSCALER_NAME, namespace, "autoscaler", 1, container, GRACE_MARGIN_S, settings, pod_extra)
+    del deployment["spec"]["template"]["spec"]["containers"][0]["lifecycle"]  # nothing routes to it: no preStop
+    # Two autoscalers would both scale: the old pod goes before the new one starts.
+    deployment["spec"]["strategy"] = {"type": "Recreate"}
+    return [token_secret, config_map, account, role, binding, deployment]
+
+
 def service_monitor(settings: KubernetesLaunch) -> dict[str, Any]:
     """Prometheus Operator's ServiceMonitor: every ember Service's /metrics (the gateway's and the replicas')."""
     return {
@@ -312,8 +361,11 @@ def service_monitor(settings: KubernetesLaunch) -> dict[str, Any]:
     }
 
 
-def render(fleet: Fleet, credential: str | None = None) -> dict[str, list[dict[str, Any]]]:
-    """File name -> the Kubernetes objects it holds, for `kubectl apply -f DIR`."""
+def render(
+    fleet: Fleet, credential: str | None = None, control_token: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """File name -> the Kubernetes objects it holds, for `kubectl apply -f DIR`. The fleet credential and,
+    with autoscaled models, the autoscaler's control token are generated unless given."""
     settings = fleet.launch.kubernetes or KubernetesLaunch()
     raw = yaml.safe_load(fleet.path.read_text(encoding="utf-8"))
     deployments = model_deployments(fleet, settings)
@@ -324,9 +376,16 @@ def render(fleet: Fleet, credential: str | None = None) -> dict[str, list[dict[s
     files: dict[str, list[dict[str, Any]]] = {}
     if settings.namespace != "default":
         files["00-namespace.yaml"] = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": settings.namespace}}]
-    files["10-gateway.yaml"] = gateway_objects(settings, config, secret_overlay, credential or secrets.token_urlsafe(32))
+    autoscaled = list(fleet.autoscaled)
+    files["10-gateway.yaml"] = gateway_objects(
+        settings, config, secret_overlay, credential or secrets.token_urlsafe(32), bool(autoscaled)
+    )
     for item in deployments:
         files[f"20-{item.name}.yaml"] = replica_objects(item, settings)
+    if autoscaled:
+        files["25-autoscaler.yaml"] = autoscaler_objects(
+            settings, autoscaler_fleet(config, raw, autoscaled), control_token or secrets.token_urlsafe(32)
+        )
     if settings.service_monitor:
         files["30-servicemonitor.yaml"] = [service_monitor(settings)]
     return files

@@ -24,15 +24,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
-from ember.gateway.config import KeyPolicy, ReplicaConfig
+from ember.gateway.config import CONTROL_TOKEN_ENV, KeyPolicy, ReplicaConfig
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError
 from ember.gateway.keys import KeyStore, KeyStoreError, StoredKey, parse_bearer, require_endpoint
 from ember.gateway.membership import join, leave, new_replica
 from ember.gateway.replicas import Replica
 from ember.gateway.shared.keys import SharedKeyStore
-
-CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
 
 
 class NewKey(KeyPolicy):

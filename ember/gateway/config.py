@@ -68,6 +68,8 @@ from ember.strict_model import StrictModel
 
 # `ember up` hands its gateway the fleet's service credential in this variable, never in argv (`ps` shows argv).
 FLEET_CREDENTIAL_ENV = "EMBER_FLEET_CREDENTIAL"
+# The token the autoscaler calls the admin API with (`ember up` generates it; ember.gateway.admin accepts it).
+CONTROL_TOKEN_ENV = "EMBER_GATEWAY_CONTROL_TOKEN"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 ROUTING_POLICIES = (
     "round-robin",

@@ -14,7 +14,9 @@ import yaml
 from helm_renderer import helm_template
 
 from ember.cli import main
+from ember.commands.autoscale import gateway_url
 from ember.commands.up import default_fleet_path
+from ember.control.autoscaling.kubernetes_provider import fleet_targets
 from ember.control.fleet import FleetError, load_fleet
 from ember.deploy.helm import chart_files, write_chart
 from ember.deploy.kubernetes import render
@@ -24,6 +26,7 @@ KUBERNETES_VERSION = "1.35"
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "ember"
 CREDENTIAL = "fleet-credential-for-tests"
+CONTROL_TOKEN = "control-token-for-tests"
 
 AUTOSCALED_FLEET = """
 admin_key_sha256: 0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271
@@ -161,6 +164,43 @@ def test_launch_kubernetes_sets_image_volume_resources_and_drain(tmp_path, monke
     assert config.models["tiny"].deployments[0].discovery.kubernetes.capacity == 4
 
 
+def test_an_autoscaled_fleet_renders_the_autoscaler_with_its_rbac_and_token(tmp_path, monkeypatch):
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(AUTOSCALED_FLEET)
+    files = render(load_fleet(fleet_path), credential=CREDENTIAL, control_token=CONTROL_TOKEN)
+    assert validate_all(files["25-autoscaler.yaml"]) == ["Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Deployment"]
+    found = by_kind_and_name(sum(files.values(), []))
+    token_env = {"name": "EMBER_GATEWAY_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {"name": "ember-control-token", "key": "token"}}}
+    assert found["Secret", "ember-control-token"]["stringData"] == {"token": CONTROL_TOKEN}
+    assert token_env in found["Deployment", "ember-gateway"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert found["Role", "ember-autoscaler"]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
+    ]
+    autoscaler = found["Deployment", "ember-autoscaler"]["spec"]
+    pod = autoscaler["template"]["spec"]
+    assert autoscaler["replicas"] == 1 and autoscaler["strategy"] == {"type": "Recreate"}
+    assert pod["serviceAccountName"] == "ember-autoscaler"
+    assert pod["containers"][0]["args"] == ["autoscale", "/etc/ember/autoscaler/fleet.yaml"]
+    assert pod["containers"][0]["env"] == [token_env]
+    # The fleet file in its ConfigMap loads (no keys, no credential needed) and names the rendered Deployment.
+    autoscaler_fleet = tmp_path / "autoscaler-fleet.yaml"
+    autoscaler_fleet.write_text(found["ConfigMap", "ember-autoscaler"]["data"]["fleet.yaml"])
+    monkeypatch.delenv(FLEET_CREDENTIAL_ENV, raising=False)
+    fleet = load_fleet(autoscaler_fleet)
+    assert fleet.autoscaled["tiny"].autoscaling.max_replicas == 4 and fleet.autoscaled["tiny"].capacity == 4
+    (target,) = fleet_targets(fleet).values()
+    assert (target.namespace, target.deployment) == ("llm", "ember-tiny-main")
+    assert gateway_url(fleet) == "http://ember-gateway.llm.svc:8000"
+
+
+def test_a_fleet_without_autoscaled_models_renders_no_autoscaler():
+    files = render(load_fleet(default_fleet_path()))
+    assert "25-autoscaler.yaml" not in files
+    gateway = by_kind_and_name(files["10-gateway.yaml"])["Deployment", "ember-gateway"]
+    assert [env["name"] for env in gateway["spec"]["template"]["spec"]["containers"][0]["env"]] == [FLEET_CREDENTIAL_ENV]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -203,9 +243,10 @@ def test_the_chart_with_its_default_values_renders_what_ember_deploy_renders(tmp
         write_chart(chart, str(fleet_path))
     values = yaml.safe_load((chart / "values.yaml").read_text())
     namespace = load_fleet(fleet_path).launch.kubernetes.namespace if fleet == "autoscaled" else "ember"
-    chart_objects = helm_template(chart, namespace, {**values, "fleetCredential": CREDENTIAL})
+    secrets = {"fleetCredential": CREDENTIAL, **({"controlToken": CONTROL_TOKEN} if fleet == "autoscaled" else {})}
+    chart_objects = helm_template(chart, namespace, {**values, **secrets})
     assert validate_all(chart_objects)
-    plain = [obj for obj in sum(render(load_fleet(fleet_path), credential=CREDENTIAL).values(), [])
+    plain = [obj for obj in sum(render(load_fleet(fleet_path), credential=CREDENTIAL, control_token=CONTROL_TOKEN).values(), [])
              if obj["kind"] != "Namespace"]  # fmt: skip
 
     def comparable(obj: dict) -> dict:  # YAML held in strings compared as data, not as text
