@@ -74,10 +74,10 @@ async def autoscale(fleet: Fleet, stop: asyncio.Event | None = None) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await autoscaler.start()
-    for model, target in targets.items():
-        print(f"autoscale: {model}: Deployment {target.namespace}/{target.deployment}, gateway {url}", flush=True)
     try:
+        await autoscaler.start()
+        for model, target in targets.items():
+            print(f"autoscale: {model}: Deployment {target.namespace}/{target.deployment}, gateway {url}", flush=True)
         await stop.wait()
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):

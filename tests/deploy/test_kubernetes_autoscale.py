@@ -13,7 +13,9 @@ import yaml
 from gateway_harness import http
 from kube_scenario import AUTH, DEPLOYMENT, IDS, PODS
 
+from ember.cli import main
 from ember.commands.autoscale import autoscale, gateway_url
+from ember.commands.up import default_fleet_path
 from ember.control.autoscaling.kubernetes_provider import DELETION_COST, LOWEST_DELETION_COST, fleet_targets
 from ember.control.fleet import FleetError, load_fleet
 
@@ -52,10 +54,19 @@ def test_the_fleet_names_the_rendered_deployment_and_gateway_service(tmp_path):
     assert gateway_url(fleet) == "http://ember-gateway.ember.svc:8000"
 
 
-async def test_autoscale_without_a_token_is_refused(tmp_path, monkeypatch):
+def test_autoscale_without_a_token_is_one_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("EMBER_GATEWAY_CONTROL_TOKEN", raising=False)
-    with pytest.raises(FleetError, match="EMBER_GATEWAY_CONTROL_TOKEN"):
-        await autoscale(load_fleet(fleet_file(tmp_path, None)))
+    assert main(["autoscale", fleet_file(tmp_path, None)]) == 2
+    assert capsys.readouterr().err == (
+        "ember autoscale: error: set EMBER_GATEWAY_CONTROL_TOKEN to the gateway's control token or admin key "
+        "(its drain calls need it)\n"
+    )
+
+
+def test_autoscale_of_a_fleet_without_autoscaled_models_is_refused(monkeypatch):
+    monkeypatch.setenv("EMBER_GATEWAY_CONTROL_TOKEN", "token")
+    with pytest.raises(FleetError, match="no model has an autoscaling section"):
+        asyncio.run(autoscale(load_fleet(default_fleet_path())))
 
 
 async def test_burst_scales_the_deployment_up_and_idle_scales_it_down_after_a_drain(gateway, fake_api, pods, tmp_path):
