@@ -56,7 +56,7 @@ async def autoscale(fleet: Fleet, stop: asyncio.Event | None = None) -> int:
     from ember.control.autoscaling.provider import GatewayAdmin
     from ember.control.fleet import FleetError
     from ember.deploy.settings import KubernetesLaunch
-    from ember.gateway.admin import CONTROL_TOKEN_ENV
+    from ember.gateway.config import CONTROL_TOKEN_ENV
     from ember.kube_client import api_client
 
     if not fleet.autoscaled:

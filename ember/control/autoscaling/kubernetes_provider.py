@@ -30,7 +30,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from ember.control.autoscaling.provider import GatewayAdmin, ManagedReplica, ReplicaState
-from ember.control.fleet import Fleet, FleetError
+from ember.control.fleet import Fleet
 from ember.deploy.kubernetes import HTTP_PORT, model_deployments
 from ember.deploy.settings import KubernetesLaunch
 
@@ -51,18 +51,14 @@ class KubernetesTarget:
 
 
 def fleet_targets(fleet: Fleet) -> dict[str, KubernetesTarget]:
-    """The Deployment of each autoscaled model, named as `ember deploy k8s` renders it."""
+    """The Deployment of each autoscaled model (it has exactly one deployment), named as `ember deploy k8s`
+    renders it."""
     settings = fleet.launch.kubernetes or KubernetesLaunch()
-    rendered: dict[str, list[str]] = {}
-    for item in model_deployments(fleet, settings):
-        rendered.setdefault(item.model, []).append(item.name)
-    targets = {}
-    for model in fleet.autoscaled:
-        (name, *others) = rendered[model]
-        if others:  # one Deployment is what the provider scales
-            raise FleetError(f"{fleet.path}: models.{model}: an autoscaled model on Kubernetes has one deployment")
-        targets[model] = KubernetesTarget(deployment=name, service=name, namespace=settings.namespace, port=HTTP_PORT)
-    return targets
+    return {
+        item.model: KubernetesTarget(deployment=item.name, service=item.name, namespace=settings.namespace, port=HTTP_PORT)
+        for item in model_deployments(fleet, settings)
+        if item.model in fleet.autoscaled
+    }
 
 
 class KubernetesProvider:
