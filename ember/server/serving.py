@@ -82,6 +82,10 @@ class OpenAIServing(ABC, Generic[RequestT]):
     def sampling_params_for(self, request: RequestT, prompt_len: int) -> SamplingParams:
         """The engine's parameters for one prompt of `prompt_len` tokens."""
 
+    def grammars_to_check(self, request: RequestT, params: SamplingParams) -> list[StructuredOutputSpec]:
+        """The specs to compile before admitting the request: its output constraint, if any."""
+        return [params.structured_output] if params.structured_output is not None else []
+
     @abstractmethod
     def chunk_renderer(self, request: RequestT, context: ResponseContext) -> ChunkRenderer:
         """How the streamed response's chunks look."""
@@ -100,9 +104,9 @@ class OpenAIServing(ABC, Generic[RequestT]):
         for ids in prompt_ids:
             self.engine.check_prompt(ids, self.prompt_param)
         params = [self.sampling_params_for(request, len(ids)) for ids in prompt_ids]
-        if params[0].structured_output is not None:
+        for spec in self.grammars_to_check(request, params[0]):
             # An invalid schema is a 400 before admission; compiling (once per distinct spec) leaves the loop.
-            await asyncio.to_thread(self.engine.compile_structured_output, params[0].structured_output)
+            await asyncio.to_thread(self.engine.compile_structured_output, spec)
         prompt_lens = [len(ids) for ids in prompt_ids]
         ticket = self.admit(len(prompt_ids), sum(prompt_lens))
         request_id = self.new_request_id(self.request_id_prefix)

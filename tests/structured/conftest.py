@@ -16,6 +16,6 @@ MODEL_NAME = "tiny"  # ServerProcess serves under this name
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess(smollm2_gguf_path, tmp_path_factory.mktemp("serve") / "serve.log",
-                            "--max-num-seqs", "32")
+                            "--max-num-seqs", "32", "--kv-cache-memory", "1")
     yield process
     process.stop()
