@@ -42,7 +42,10 @@ class GrammarMatcher:
         return self._matcher.accept_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Clear the tokens the grammar does not allow next from bitmask[row]. A grammar that has accepted
+        its stop token (a sequence going on with ignore_eos) constrains nothing more: the row stays open."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     @property
     def is_terminated(self) -> bool:
