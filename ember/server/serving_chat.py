@@ -32,6 +32,7 @@ from ember.server.structured_outputs import structured_output_spec
 from ember.server.tool_calls import (
     DEFAULT_SYSTEM,
     HERMES_TOOL_TEMPLATE,
+    ToolCallStream,
     ToolPlan,
     conversation,
     parse_tool_calls,
@@ -137,9 +138,9 @@ def _top_logprobs(request: ChatCompletionRequest) -> int | None:
 class _ChatChunks:
     """Chunks of a streamed chat completion: the role first, then content deltas, then the finish.
 
-    With tools, a choice's text is held back until it finishes, then parsed: its content (if any), then per
-    call a chunk with the call's index, id and name, then its arguments in fragments, as the openai SDK
-    accumulates them."""
+    Tool calls stream as the openai SDK accumulates them: per call a chunk with its index, id and name, then
+    its arguments in fragments. Under "required" or a named tool_choice they stream as generated; under
+    "auto" a choice's text is held back until it finishes, then parsed (content first, if any)."""
 
     def __init__(
         self, formatter: LogprobFormatter, context: ResponseContext, request: ChatCompletionRequest,
@@ -157,7 +158,10 @@ class _ChatChunks:
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
         self._templates: dict[int, TextChunkTemplate] = {}
         self._tools = tools if tools is not None and tools.parses_calls else None
-        self._held: dict[int, str] = {}  # with tools: each choice's text so far
+        # "required" and named tool_choice stream calls as they are generated; "auto" holds the text.
+        self._streams_calls = self._tools is not None and self._tools.spec is not None
+        self._call_streams: dict[int, ToolCallStream] = {}
+        self._held: dict[int, str] = {}  # "auto": each choice's text so far
 
     def _event(self, choice: ChatCompletionChunkChoice | None, usage: Usage | None = None) -> bytes:
         chunk = ChatCompletionChunk(**self._header, choices=[choice] if choice else [], usage=usage)
@@ -172,6 +176,8 @@ class _ChatChunks:
         ]
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
+        if self._streams_calls:
+            return self._call_events(index, choice.text) or None
         if self._tools is not None:
             self._held[index] = self._held.get(index, "") + choice.text
             return None
@@ -191,6 +197,12 @@ class _ChatChunks:
         return self._event(self._choice(index, choice, None))
 
     def final(self, index: int, choice: CompletionOutput) -> bytes:
+        if self._streams_calls:
+            events = self._call_events(index, choice.text)
+            called = self._call_streams[index].num_calls > 0
+            finish_reason = "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
+            return events + self._event(ChatCompletionChunkChoice(
+                index=index, delta=DeltaMessage(), finish_reason=finish_reason, stop_reason=choice.stop_reason))
         if self._tools is not None:
             return self._final_with_tools(index, choice)
         return self._event(self._choice(index, choice, choice.finish_reason))
@@ -211,6 +223,13 @@ class _ChatChunks:
             index=index, delta=DeltaMessage(), finish_reason=_finish_reason(choice, calls),
             stop_reason=choice.stop_reason)))
         return b"".join(events)
+
+    def _call_events(self, index: int, text: str) -> bytes:
+        """The tool-call pieces `text` completes, one chunk each."""
+        stream = self._call_streams.get(index)
+        if stream is None:
+            stream = self._call_streams[index] = ToolCallStream(self._tools)
+        return b"".join(self._tool_call_event(index, piece) for piece in stream.feed(text))
 
     def _tool_call_event(self, index: int, call: DeltaToolCall) -> bytes:
         return self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(tool_calls=[call])))

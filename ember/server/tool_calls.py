@@ -17,7 +17,14 @@ from typing import Any
 
 from ember.engine.errors import InvalidRequestError
 from ember.engine.structured_output.spec import StructuredOutputSpec
-from ember.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
+from ember.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 
 # The Hermes/Qwen2.5 tool format over ChatML, for models whose own template has no tools branch (SmolLM2).
 HERMES_TOOL_TEMPLATE = """\
@@ -155,10 +162,15 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCa
         return None, [_call(plan.named, text)]
     if plan.choice == "required":
         try:
-            calls = json.loads(text)
+            json.loads(text)
         except ValueError:  # cut short by max_tokens
             return text, []
-        return None, [_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in calls]
+        # The arguments exactly as generated, as the stream sends them.
+        calls: dict[int, list[str]] = {}
+        for piece in ToolCallStream(plan).feed(text):
+            name_and_arguments = calls.setdefault(piece.index, [piece.function.name or "", ""])
+            name_and_arguments[1] += piece.function.arguments or ""
+        return None, [_call(name, arguments) for name, arguments in calls.values()]
     names = {tool["function"]["name"] for tool in plan.tools}
     calls = []
     for block in _TOOL_CALL_BLOCK.findall(text):
@@ -177,3 +189,75 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCa
 
 def _call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+
+
+_CALL_HEADER = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+
+
+class ToolCallStream:
+    """A constrained choice's tool calls as they are generated ("required" and named tool_choice, whose
+    grammar fixes the text's shape): for each call, a piece with its index, id and name as soon as the name
+    is complete, then its arguments' text in the fragments the model produces."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._text = ""
+        self._pos = 0  # how far the text is consumed
+        self._in_arguments = False
+        self._depth = 0  # JSON nesting inside the current arguments
+        self._in_string = False
+        self._escaped = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[DeltaToolCall]:
+        if self._plan.choice == "named":
+            pieces = [] if self.num_calls else [self._header(self._plan.named)]
+            return pieces + ([self._fragment(text)] if text else [])
+        self._text += text
+        pieces = []
+        while True:
+            if not self._in_arguments:
+                header = _CALL_HEADER.search(self._text, self._pos)
+                if header is None:
+                    return pieces
+                pieces.append(self._header(json.loads(f'"{header.group(1)}"')))
+                self._pos = header.end()
+                self._in_arguments = True
+            start = self._pos
+            end = self._scan_arguments()
+            if end > start:
+                pieces.append(self._fragment(self._text[start:end]))
+            if self._in_arguments:
+                return pieces
+
+    def _scan_arguments(self) -> int:
+        """Consume the arguments' text available; leaves _in_arguments when their closing brace is read."""
+        text = self._text
+        while self._pos < len(text):
+            char = text[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_arguments = False
+                    break
+        return self._pos
+
+    def _header(self, name: str) -> DeltaToolCall:
+        self.num_calls += 1
+        return DeltaToolCall(index=self.num_calls - 1, id=_call(name, "").id, type="function",
+                             function=DeltaFunctionCall(name=name, arguments=""))
+
+    def _fragment(self, text: str) -> DeltaToolCall:
+        return DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=text))

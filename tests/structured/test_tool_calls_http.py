@@ -115,16 +115,20 @@ def test_streamed_tool_calls_accumulate_to_the_whole_ones(smollm2_server, tool_c
             whole = await client.chat.completions.create(**request)
             calls: dict[int, dict] = {}
             finish = None
+            fragment_chunks = 0
             async for chunk in await client.chat.completions.create(**request, stream=True):
                 choice = chunk.choices[0]
                 finish = choice.finish_reason or finish
                 for piece in choice.delta.tool_calls or []:
                     if piece.id is not None:  # the first piece of a call: its id and name
                         calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
+                    fragment_chunks += bool(piece.function.arguments)
                     calls[piece.index]["arguments"] += piece.function.arguments or ""
-            return whole.choices[0], [calls[index] for index in sorted(calls)], finish
+            return whole.choices[0], [calls[index] for index in sorted(calls)], finish, fragment_chunks
 
-    whole, streamed, finish = asyncio.run(run())
+    whole, streamed, finish, fragment_chunks = asyncio.run(run())
+    # The arguments arrive as they are generated: in many chunks, not one.
+    assert fragment_chunks > 3
     assert finish == whole.finish_reason == "tool_calls"
     assert [(call["name"], call["arguments"]) for call in streamed] == [
         (call.function.name, call.function.arguments) for call in whole.message.tool_calls]
