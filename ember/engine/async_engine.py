@@ -18,6 +18,7 @@ from ember.engine.errors import EngineDeadError, EngineRequestError, InvalidRequ
 from ember.engine.llm_engine import LLMEngine, PreparedRequest
 from ember.engine.outputs import EngineStats, RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.engine.structured_output.spec import StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class AsyncEngine:
         """The checks generate() applies to a prompt, for callers that refuse a request before queueing it;
         raises InvalidRequestError with `param` as the field's name."""
         self.engine.check_prompt(prompt_token_ids, param)
+
+    def compile_structured_output(self, spec: StructuredOutputSpec) -> None:
+        """Compile spec's grammar into the engine's cache (safe from any thread); InvalidRequestError naming
+        spec.param if it does not compile."""
+        self.engine.structured_output.compile(spec)
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         """Raise InvalidTokenIdError if a token id is outside the vocabulary."""

@@ -22,6 +22,7 @@ from ember.engine.resources import resolve_device, resolve_max_model_len
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.structured_output.grammar import GrammarMatcher, StructuredOutputManager
 from ember.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class PreparedRequest:
     params: SamplingParams
     priority: int
     arrival_time: float
+    grammar: GrammarMatcher | None  # params.structured_output's grammar, compiled
 
 
 class LLMEngine:
@@ -59,6 +61,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    eos_token_ids, proposer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         sorted(eos_token_ids))
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -70,7 +74,8 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
-        """Tokenize and validate a request without touching engine state (safe from any thread)."""
+        """Tokenize and validate a request, and compile its grammar, without touching engine state (safe from
+        any thread)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
@@ -82,8 +87,10 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}",
                                       param="n")
+        grammar = (self.structured_output.matcher_for(params.structured_output)
+                   if params.structured_output is not None else None)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        return PreparedRequest(request_id, prompt_text, prompt_token_ids, params, priority, arrival_time)
+        return PreparedRequest(request_id, prompt_text, prompt_token_ids, params, priority, arrival_time, grammar)
 
     def check_prompt(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
         """Raise InvalidRequestError unless the prompt is non-empty, in the vocabulary and leaves room for
@@ -120,7 +127,7 @@ class LLMEngine:
         room = self.max_model_len - len(prepared.prompt_token_ids)
         seq = Sequence(prepared.request_id, self.scheduler.next_seq_id(), 0, prepared.prompt_token_ids, params,
                        priority=prepared.priority, arrival_time=prepared.arrival_time, generator=generator,
-                       max_tokens=min(params.max_tokens or room, room))
+                       max_tokens=min(params.max_tokens or room, room), grammar=prepared.grammar)
         seq.num_forks = params.n - 1
         self.scheduler.add(seq)
         self.output_processor.add_request(prepared, seq)

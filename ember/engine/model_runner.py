@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
+from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
 from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
@@ -57,6 +59,8 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(self.device, args.seed, self.native)
+        # One thread: the step's grammar masks are filled in order, overlapping the step's forward.
+        self.mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-grammar-mask")
         logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     self.dtype, self.device, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
@@ -75,6 +79,7 @@ class ModelRunner:
         spans = []
         sample_rows = []
         sampled_seqs = []
+        grammar_rows: list[tuple[int, GrammarMatcher]] = []  # (row among sample_rows, matcher)
         prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt_logprobs)
         prompt_targets: list[int] = []
         prompt_counts: list[tuple[int, int]] = []  # (scheduled index, rows) per chunk that scores its prompt
@@ -89,6 +94,8 @@ class ModelRunner:
             positions.append(np.arange(start, start + count))
             spans.append(SequenceSpan(start, count, seq.block_table))
             if item.sample:
+                if seq.grammar is not None:  # never with drafts
+                    grammar_rows.append((len(sample_rows), seq.grammar))
                 # A decode with drafts needs the logits after its token and after each draft token.
                 sample_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sampled_seqs.append(i)
@@ -98,6 +105,9 @@ class ModelRunner:
                 prompt_rows.extend(range(first_row, first_row + scored))
                 prompt_targets += seq.token_ids[start + 1 : start + 1 + scored]
                 prompt_counts.append((i, scored))
+        # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs.
+        bitmask = (self.mask_thread.submit(fill_bitmasks, grammar_rows, len(sample_rows), self.config.vocab_size)
+                   if grammar_rows else None)
         meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device, self.native)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -116,7 +126,8 @@ class ModelRunner:
         if sample_rows:
             metadata = SamplingMetadata.from_sequences(
                 [scheduled[i].seq for i in sampled_seqs], [scheduled[i].draft_token_ids for i in sampled_seqs],
-                self.config.eos_token_ids, self.device)
+                self.config.eos_token_ids, self.device,
+                ([row for row, _ in grammar_rows], bitmask.result().to(self.device)) if bitmask is not None else None)
             tokens = self.sampler(logits[: len(sample_rows)], metadata)
             for i, token in zip(sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token

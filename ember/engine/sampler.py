@@ -2,7 +2,8 @@
 then a draw from the sequence's own generator (seeded requests) or the runner's generator. A decode with
 speculative draft tokens has one row per position and is verified here (accept a run of drafts, then draw).
 
-Work a batch does not need is skipped: an all-greedy batch without penalties is one argmax. Logprobs are
+Rows decoding under a grammar first lose the tokens it does not allow. Work a batch does not need is
+skipped: an all-greedy batch without penalties or grammars is one argmax. Logprobs are
 those of the raw model logits (before penalties and temperature), like vLLM's default."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.engine.sampling_metadata import SamplingMetadata
+from ember.engine.structured_output.grammar import apply_bitmask
 from ember.kernels.native import NativeKernels
 
 
@@ -46,6 +48,7 @@ class Sampler:
         if logits.dtype != torch.float32 and metadata.needs_float32:
             logits = logits.float()
         raw = logits
+        logits = self._apply_grammar(logits, metadata)
         logits = self._apply_min_tokens(logits, metadata)
         logits = self._apply_penalties(logits, metadata)
         if logits.dtype == torch.bfloat16 and self.native is not None and logits.is_contiguous():
@@ -93,6 +96,15 @@ class Sampler:
                    for i, count in enumerate(wanted)]
         return [SampledToken(token_id, logprob, rank, row_top) for token_id, logprob, rank, row_top
                 in zip(token_ids.tolist(), logprobs, ranks, top, strict=True)]
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """-inf for the tokens each grammar row's matcher does not allow; other rows untouched."""
+        if metadata.grammar_rows is None:
+            return logits
+        logits = logits.clone()  # logprobs read the raw logits
+        apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+        return logits
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

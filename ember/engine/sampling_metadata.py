@@ -45,11 +45,17 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None
     repetition: Penalty | None  # Hugging Face repetition_penalty over prompt + output
     additive: Penalty | None  # OpenAI presence/frequency penalties over the output
+    # Structured output: the rows decoding under a grammar and the allowed-token bitmask over every row
+    # ([R, ceil(V / 32)] int32, filled while the forward ran); None when no row has a grammar.
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], drafts: list[list[int]], eos_token_ids: Iterable[int],
-                       device: torch.device) -> SamplingMetadata:
-        """Gather once per batch; seqs[i] holds prompt + output so far, drafts[i] its draft tokens."""
+                       device: torch.device,
+                       grammar: tuple[list[int], torch.Tensor] | None = None) -> SamplingMetadata:
+        """Gather once per batch; seqs[i] holds prompt + output so far, drafts[i] its draft tokens; grammar
+        the rows decoding under a grammar and the bitmask the runner filled for them, if any."""
         starts, row_seqs = [], []
         for seq, draft in zip(seqs, drafts, strict=True):
             starts.append(len(row_seqs))
@@ -64,6 +70,8 @@ class SamplingMetadata:
             logprobs=[seq.params.logprobs for seq in seqs],
             generators=[seq.generator for seq in seqs],
             needs_float32=not all(_argmax_only(seq) for seq in seqs),
+            grammar_rows=grammar[0] if grammar is not None else None,
+            grammar_bitmask=grammar[1] if grammar is not None else None,
             temperature=_column([p.temperature for p in params], device) if sampled else None,
             top_k=[p.top_k for p in params] if any(p.top_k for p in sampled) else None,
             # top_p == 1 keeps everything (a threshold of 1.0 could drop the tail to rounding in the cumsum).

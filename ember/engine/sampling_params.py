@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ember.engine.errors import InvalidSamplingParamsError
+from ember.engine.structured_output.spec import STRUCTURED_OUTPUT_KINDS, StructuredOutputSpec
 
 OutputKind = Literal["cumulative", "delta", "final"]
 OUTPUT_KINDS = ("cumulative", "delta", "final")
@@ -32,6 +33,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    # Decode under a grammar (JSON schema, JSON object, regex, choice, EBNF); None: unconstrained.
+    structured_output: StructuredOutputSpec | None = None
     # Derived in __post_init__; not constructor arguments.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -87,6 +90,11 @@ class SamplingParams:
             fail("prompt_logprobs", "must be an integer >= 0")
         if self.output_kind not in OUTPUT_KINDS:
             fail("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        if self.structured_output is not None and (
+            not isinstance(self.structured_output, StructuredOutputSpec)
+            or self.structured_output.kind not in STRUCTURED_OUTPUT_KINDS
+        ):
+            fail("structured_output", f"must be a StructuredOutputSpec of kind {', '.join(STRUCTURED_OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:

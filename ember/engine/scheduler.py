@@ -217,6 +217,8 @@ class Scheduler:
                     block_manager.commit_full_blocks(seq)
                 seq.token_ids.append(token.token_id)
                 update.new_tokens.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token.token_id)
                 status = self._stop_status(seq, token.token_id)
                 if status is not None:
                     self.finish(seq, status)
@@ -265,5 +267,7 @@ def _sort_key(seq: Sequence) -> tuple[int, float, int]:
 
 
 def _can_speculate(seq: Sequence) -> bool:
-    """Drafted rows are sampled without the tokens before them: no penalties, no pending min_tokens."""
-    return not seq.params.has_penalties and seq.num_output_tokens >= seq.params.min_tokens
+    """Drafted rows are sampled without the tokens before them: no penalties, no pending min_tokens, and no
+    grammar (a draft row's mask would need the matcher advanced through the drafts before it)."""
+    return (not seq.params.has_penalties and seq.num_output_tokens >= seq.params.min_tokens
+            and seq.grammar is None)

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import enum
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from ember.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.structured_output.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -48,7 +52,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "params", "generator", "status", "draft_token_ids",
         # Scheduler bookkeeping below; the model runner reads only the fields above.
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "num_forks", "max_tokens",
-        "stop_reason", "num_preemptions",
+        "stop_reason", "num_preemptions", "grammar",
     )
 
     def __init__(
@@ -62,6 +66,7 @@ class Sequence:
         arrival_time: float = 0.0,
         generator: torch.Generator | None = None,
         max_tokens: int | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.seq_id = seq_id
@@ -84,6 +89,8 @@ class Sequence:
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or sys.maxsize)
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        # Where the output stands in params.structured_output's grammar; None when unconstrained.
+        self.grammar = grammar
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """Sibling `index` of this request: the same prompt and limits, no tokens computed yet."""
@@ -91,8 +98,10 @@ class Sequence:
         if self.generator is not None:
             # Sibling i draws from seed + i: n seeded completions differ, and each is reproducible alone.
             generator = torch.Generator(device=self.generator.device).manual_seed(self.params.seed + index)
+        # A sibling has no output yet: its matcher starts at the grammar's beginning.
+        grammar = self.grammar.fresh() if self.grammar is not None else None
         return Sequence(self.request_id, seq_id, index, self.prompt_token_ids, self.params, self.priority,
-                        self.arrival_time, generator, self.max_tokens)
+                        self.arrival_time, generator, self.max_tokens, grammar)
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,8 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "min_tokens",
 )
+# GenerateRequest's <name>_json fields: OpenAI request fields carried as JSON text.
+JSON_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice")
 
 
 def grpc_status(http_status: int) -> grpc.StatusCode:
@@ -64,12 +66,21 @@ def to_openai(request: pb.GenerateRequest, stream: bool) -> tuple[str, dict[str,
         body["prompt"] = request.prompt
     elif which == "chat":
         endpoint = "chat/completions"
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        body["messages"] = [_message(m) for m in request.chat.messages]
     else:
         raise bad_request("Set either 'prompt' or 'chat'.", param="input")
     for name in SAMPLING_FIELDS:
         if request.HasField(name):
             body[name] = getattr(request, name)
+    for name in JSON_FIELDS:
+        text = getattr(request, f"{name}_json")
+        if text:
+            try:
+                body[name] = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                raise bad_request(f"{name}_json is not valid JSON: {exc}", param=f"{name}_json") from None
+    if request.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = request.parallel_tool_calls
     if request.stop:
         body["stop"] = list(request.stop)
     if request.ignore_eos:
@@ -80,6 +91,23 @@ def to_openai(request: pb.GenerateRequest, stream: bool) -> tuple[str, dict[str,
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return endpoint, body
+
+
+def _message(message: pb.ChatMessage) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}
+                               for call in message.tool_calls]
+    if message.tool_call_id:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def tool_call_messages(calls: list[dict[str, Any]] | None) -> list[pb.ToolCall]:
+    """An OpenAI message's tool_calls as ToolCall messages."""
+    return [pb.ToolCall(id=call.get("id") or "", name=call["function"].get("name") or "",
+                        arguments=call["function"].get("arguments") or "") for call in calls or ()]
 
 
 def choice_text(choice: dict[str, Any]) -> str:
@@ -148,6 +176,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             if not result.stream:
                 raise upstream_error(result.status, orjson.loads(result.body or b"null"))
             chunk_id, finish_reason, usage = "", "", None
+            calls: dict[int, dict[str, Any]] = {}  # streamed tool calls by index, accumulated
             async for payload in result.events():
                 chunk = orjson.loads(payload)
                 if "error" in chunk:
@@ -157,10 +186,17 @@ class InferenceService(pb_grpc.InferenceServicer):
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
                     finish_reason = choice.get("finish_reason") or finish_reason
+                    for piece in (choice.get("delta") or {}).get("tool_calls") or ():
+                        call = calls.setdefault(piece["index"], {"id": "", "function": {"name": "", "arguments": ""}})
+                        call["id"] = piece.get("id") or call["id"]
+                        function = piece.get("function") or {}
+                        call["function"]["name"] += function.get("name") or ""
+                        call["function"]["arguments"] += function.get("arguments") or ""
                     text = choice_text(choice)
                     if text:
                         yield pb.GenerateChunk(id=chunk_id, text=text)
-            yield pb.GenerateChunk(id=chunk_id, finish_reason=finish_reason, usage=usage_message(usage))
+            yield pb.GenerateChunk(id=chunk_id, finish_reason=finish_reason, usage=usage_message(usage),
+                                   tool_calls=tool_call_messages([calls[index] for index in sorted(calls)]))
         except GatewayError as exc:
             await self._fail(context, exc)
         finally:
@@ -183,6 +219,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 text=choice_text(choice),
                 finish_reason=choice.get("finish_reason") or "",
                 usage=usage_message(payload.get("usage")),
+                tool_calls=tool_call_messages((choice.get("message") or {}).get("tool_calls")),
             )
         except GatewayError as exc:
             await self._fail(context, exc)

@@ -103,18 +103,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list[dict[str, Any]] | None = None,
-                            continue_final_message: bool = False, **template_kwargs: Any) -> str | list[int]:
-        """Render `messages` with the model's chat template (as transformers does).
+                            continue_final_message: bool = False, chat_template: jinja2.Template | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
+        """Render `messages` with the model's chat template (as transformers does), or with `chat_template`
+        (compiled by compile_chat_template) in its place.
 
         `continue_final_message` leaves the last message open, so the model continues it (a prefill).
         Raises ValueError when the model has no template or the template rejects the conversation."""
-        if self._compiled_template is None:
+        template = chat_template or self._compiled_template
+        if template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         context = {**self.special_tokens, **template_kwargs}
         try:
-            text = self._compiled_template.render(messages=list(messages), tools=tools,
+            text = template.render(messages=list(messages), tools=tools,
                                                   add_generation_prompt=add_generation_prompt, **context)
         except (jinja2.exceptions.TemplateError, TypeError) as exc:
             raise ValueError(f"chat template error: {exc}") from None

@@ -24,6 +24,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.engine.errors import EngineError
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.engine.structured_output.spec import StructuredOutputSpec
 from ember.errors import ClientDisconnected
 from ember.server.admission import AdmissionController, AdmissionTicket
 from ember.server.errors import APIError, bad_request, engine_error
@@ -33,6 +34,7 @@ from ember.server.middleware import AccessRecord, access_record
 from ember.server.protocol import SamplingFields, Usage
 from ember.server.settings import ServerSettings
 from ember.server.streaming import ChunkRenderer, stream_events
+from ember.server.structured_outputs import structured_output_spec
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
@@ -80,6 +82,10 @@ class OpenAIServing(ABC, Generic[RequestT]):
     def sampling_params_for(self, request: RequestT, prompt_len: int) -> SamplingParams:
         """The engine's parameters for one prompt of `prompt_len` tokens."""
 
+    def grammars_to_check(self, request: RequestT, params: SamplingParams) -> list[StructuredOutputSpec]:
+        """The specs to compile before admitting the request: its output constraint, if any."""
+        return [params.structured_output] if params.structured_output is not None else []
+
     @abstractmethod
     def chunk_renderer(self, request: RequestT, context: ResponseContext) -> ChunkRenderer:
         """How the streamed response's chunks look."""
@@ -98,6 +104,9 @@ class OpenAIServing(ABC, Generic[RequestT]):
         for ids in prompt_ids:
             self.engine.check_prompt(ids, self.prompt_param)
         params = [self.sampling_params_for(request, len(ids)) for ids in prompt_ids]
+        for spec in self.grammars_to_check(request, params[0]):
+            # An invalid schema is a 400 before admission; compiling (once per distinct spec) leaves the loop.
+            await asyncio.to_thread(self.engine.compile_structured_output, spec)
         prompt_lens = [len(ids) for ids in prompt_ids]
         ticket = self.admit(len(prompt_ids), sum(prompt_lens))
         request_id = self.new_request_id(self.request_id_prefix)
@@ -187,9 +196,11 @@ class OpenAIServing(ABC, Generic[RequestT]):
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        structured_output: StructuredOutputSpec | None = None,
     ) -> SamplingParams:
         """The engine's parameters for the request; out-of-range values raise the engine's
-        InvalidSamplingParamsError, answered as a 400 naming the field."""
+        InvalidSamplingParamsError, answered as a 400 naming the field. `structured_output` overrides the
+        constraint the request's own fields set (tool_choice's grammar)."""
         return SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -210,6 +221,7 @@ class OpenAIServing(ABC, Generic[RequestT]):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             output_kind="delta" if request.stream else "final",
+            structured_output=structured_output or structured_output_spec(request),
         )
 
     def admit(self, num_requests: int, num_prompt_tokens: int) -> AdmissionTicket:

@@ -4,6 +4,8 @@ unknown model, unavailable replicas)."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from gateway_harness import FakeReplica, free_port, sha256, wait_until
@@ -165,3 +167,29 @@ def test_deadline_mid_stream_aborts_the_generation(stub, real_replica):  # noqa:
     running = "vllm:num_requests_running"
     wait_until(lambda: replica_metric(real_replica, running) == 0, timeout_s=60, what="the replica to stop")
     assert replica_metric(real_replica, "vllm:generation_tokens_total") - generated_before < LONG_TOKENS
+
+
+PICK_TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+
+
+def test_structured_output_and_tool_calls_pass_through(stub):
+    """The JSON-text fields reach the replica: a named tool_choice gives a call (whole in Complete, on the
+    last chunk of Generate) whose arguments follow the tool's schema, even from the random tiny model."""
+    request = chat_request(max_tokens=20, ignore_eos=False, tools_json=json.dumps([PICK_TOOL]),
+                           tool_choice_json=json.dumps({"type": "function", "function": {"name": "pick"}}))
+    complete = stub.Complete(request, metadata=metadata(), timeout=60)
+    assert complete.finish_reason == "tool_calls" and complete.text == ""
+    (call,) = complete.tool_calls
+    assert call.name == "pick" and call.id.startswith("call_")
+    assert json.loads(call.arguments) in ({"unit": "c"}, {"unit": "f"})
+    *_, last = stub.Generate(request, metadata=metadata(), timeout=60)
+    assert last.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [(call.name, call.arguments)]
+
+    choice = chat_request(max_tokens=10, ignore_eos=False, structured_outputs_json='{"choice": ["yes", "no"]}')
+    assert stub.Complete(choice, metadata=metadata(), timeout=60).text in ("yes", "no")
+
+    error = code_of(lambda: stub.Complete(chat_request(tools_json="[{"), metadata=metadata(), timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools_json" in error.details()

@@ -125,7 +125,9 @@ def test_wrong_types_are_400(post, path, body, param):
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, None),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ],
 )
 def test_negative_or_absurd_parameters_are_400(post, path, body, param):

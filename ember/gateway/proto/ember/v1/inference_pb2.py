@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65mber/v1/inference.proto\x12\x08\x65mber.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.ember.v1.ChatMessage\"\xcc\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x13.ember.v1.ChatInputH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08priority\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x12\n\nsession_id\x18\x10 \x01(\t\x12\x0e\n\x06region\x18\x11 \x01(\t\x12\x0c\n\x04user\x18\x12 \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_priority\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"`\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.ember.v1.Usage\"r\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.ember.v1.Usage\"\x13\n\x11ListModelsRequest\"%\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\"5\n\x12ListModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.ember.v1.Model\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0eHealthResponse\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.ember.v1.HealthResponse.Status\x12G\n\x10healthy_replicas\x18\x02 \x03(\x0b\x32-.ember.v1.HealthResponse.HealthyReplicasEntry\x1a\x36\n\x14HealthyReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x96\x02\n\tInference\x12@\n\x08Generate\x12\x19.ember.v1.GenerateRequest\x1a\x17.ember.v1.GenerateChunk0\x01\x12\x41\n\x08\x43omplete\x12\x19.ember.v1.GenerateRequest\x1a\x1a.ember.v1.CompleteResponse\x12G\n\nListModels\x12\x1b.ember.v1.ListModelsRequest\x1a\x1c.ember.v1.ListModelsResponse\x12;\n\x06Health\x12\x17.ember.v1.HealthRequest\x1a\x18.ember.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65mber/v1/inference.proto\x12\x08\x65mber.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.ember.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.ember.v1.ChatMessage\"\xf3\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x13.ember.v1.ChatInputH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08priority\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x12\n\nsession_id\x18\x10 \x01(\t\x12\x0e\n\x06region\x18\x11 \x01(\t\x12\x0c\n\x04user\x18\x12 \x01(\t\x12\x1c\n\x14response_format_json\x18\x13 \x01(\t\x12\x1f\n\x17structured_outputs_json\x18\x14 \x01(\t\x12\x12\n\ntools_json\x18\x15 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x0b\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_priorityB\x16\n\x14_parallel_tool_calls\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x88\x01\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x05 \x03(\x0b\x32\x12.ember.v1.ToolCall\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.ember.v1.Usage\"\x9a\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.ember.v1.Usage\x12&\n\ntool_calls\x18\x06 \x03(\x0b\x32\x12.ember.v1.ToolCall\"\x13\n\x11ListModelsRequest\"%\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\"5\n\x12ListModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.ember.v1.Model\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0eHealthResponse\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.ember.v1.HealthResponse.Status\x12G\n\x10healthy_replicas\x18\x02 \x03(\x0b\x32-.ember.v1.HealthResponse.HealthyReplicasEntry\x1a\x36\n\x14HealthyReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x96\x02\n\tInference\x12@\n\x08Generate\x12\x19.ember.v1.GenerateRequest\x1a\x17.ember.v1.GenerateChunk0\x01\x12\x41\n\x08\x43omplete\x12\x19.ember.v1.GenerateRequest\x1a\x1a.ember.v1.CompleteResponse\x12G\n\nListModels\x12\x1b.ember.v1.ListModelsRequest\x1a\x1c.ember.v1.ListModelsResponse\x12;\n\x06Health\x12\x17.ember.v1.HealthRequest\x1a\x18.ember.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=38
-  _globals['_CHATMESSAGE']._serialized_end=82
-  _globals['_CHATINPUT']._serialized_start=84
-  _globals['_CHATINPUT']._serialized_end=136
-  _globals['_GENERATEREQUEST']._serialized_start=139
-  _globals['_GENERATEREQUEST']._serialized_end=727
-  _globals['_USAGE']._serialized_start=729
-  _globals['_USAGE']._serialized_end=808
-  _globals['_GENERATECHUNK']._serialized_start=810
-  _globals['_GENERATECHUNK']._serialized_end=906
-  _globals['_COMPLETERESPONSE']._serialized_start=908
-  _globals['_COMPLETERESPONSE']._serialized_end=1022
-  _globals['_LISTMODELSREQUEST']._serialized_start=1024
-  _globals['_LISTMODELSREQUEST']._serialized_end=1043
-  _globals['_MODEL']._serialized_start=1045
-  _globals['_MODEL']._serialized_end=1082
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1084
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1137
-  _globals['_HEALTHREQUEST']._serialized_start=1139
-  _globals['_HEALTHREQUEST']._serialized_end=1154
-  _globals['_HEALTHRESPONSE']._serialized_start=1157
-  _globals['_HEALTHRESPONSE']._serialized_end=1404
-  _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._serialized_start=1297
-  _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._serialized_end=1351
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1353
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1404
-  _globals['_INFERENCE']._serialized_start=1407
-  _globals['_INFERENCE']._serialized_end=1685
+  _globals['_TOOLCALL']._serialized_start=38
+  _globals['_TOOLCALL']._serialized_end=93
+  _globals['_CHATMESSAGE']._serialized_start=95
+  _globals['_CHATMESSAGE']._serialized_end=201
+  _globals['_CHATINPUT']._serialized_start=203
+  _globals['_CHATINPUT']._serialized_end=255
+  _globals['_GENERATEREQUEST']._serialized_start=258
+  _globals['_GENERATEREQUEST']._serialized_end=1013
+  _globals['_USAGE']._serialized_start=1015
+  _globals['_USAGE']._serialized_end=1094
+  _globals['_GENERATECHUNK']._serialized_start=1097
+  _globals['_GENERATECHUNK']._serialized_end=1233
+  _globals['_COMPLETERESPONSE']._serialized_start=1236
+  _globals['_COMPLETERESPONSE']._serialized_end=1390
+  _globals['_LISTMODELSREQUEST']._serialized_start=1392
+  _globals['_LISTMODELSREQUEST']._serialized_end=1411
+  _globals['_MODEL']._serialized_start=1413
+  _globals['_MODEL']._serialized_end=1450
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1452
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1505
+  _globals['_HEALTHREQUEST']._serialized_start=1507
+  _globals['_HEALTHREQUEST']._serialized_end=1522
+  _globals['_HEALTHRESPONSE']._serialized_start=1525
+  _globals['_HEALTHRESPONSE']._serialized_end=1772
+  _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._serialized_start=1665
+  _globals['_HEALTHRESPONSE_HEALTHYREPLICASENTRY']._serialized_end=1719
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1721
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1772
+  _globals['_INFERENCE']._serialized_start=1775
+  _globals['_INFERENCE']._serialized_end=2053
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,1 @@
+"""Structured output: spec.py (what SamplingParams carries), grammar.py (compiling and matching)."""

@@ -1,0 +1,65 @@
+"""Grammar-constrained decoding in the engine, through the offline LLM API with the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from ember.engine.errors import InvalidRequestError
+from ember.engine.llm import LLM
+from ember.engine.sampling_params import SamplingParams
+from ember.engine.structured_output.spec import StructuredOutputSpec
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+CONVERSATION = [{"role": "user", "content": "Describe a person."}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf_path):
+    return LLM(str(smollm2_gguf_path), num_threads=1)
+
+
+def test_unconstrained_rows_are_token_identical_beside_constrained_ones(llm):
+    """A batch mixing grammar rows with plain rows leaves the plain rows' tokens exactly as they are alone;
+    the constrained rows validate."""
+    plain = [SamplingParams(temperature=0, max_tokens=24),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=24)]
+    constrained = SamplingParams(temperature=0, max_tokens=60,
+                                 structured_output=StructuredOutputSpec.json_schema(SCHEMA, "test"))
+    alone = llm.chat([CONVERSATION] * 2, plain)
+    mixed = llm.chat([CONVERSATION] * 4, [constrained, plain[0], constrained, plain[1]])
+    assert [mixed[1].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == [
+        alone[0].outputs[0].token_ids, alone[1].outputs[0].token_ids]
+    for output in (mixed[0], mixed[2]):
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
+
+
+def test_n_siblings_and_sampling_follow_the_grammar(llm):
+    spec = StructuredOutputSpec.choice(["alpha", "beta", "gamma"], "test")
+    (output,) = llm.chat([CONVERSATION], SamplingParams(n=6, temperature=1.5, seed=1, max_tokens=8,
+                                                         structured_output=spec))
+    texts = [choice.text for choice in output.outputs]
+    assert len(texts) == 6 and set(texts) <= {"alpha", "beta", "gamma"}
+    assert all(choice.finish_reason == "stop" for choice in output.outputs)
+
+
+def test_grammar_rows_do_not_speculate(smollm2_gguf_path):
+    """With n-gram speculation on, a constrained row still follows its regex (it decodes without drafts)."""
+    llm = LLM(str(smollm2_gguf_path), num_threads=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = StructuredOutputSpec("regex", "(ab){4}", "test")
+    (output,) = llm.generate(["abababab abab"], SamplingParams(temperature=0, max_tokens=12,
+                                                                structured_output=spec))
+    assert output.outputs[0].text == "abababab"
+
+
+def test_a_schema_that_does_not_compile_is_refused_with_its_param(llm):
+    spec = StructuredOutputSpec("regex", "([a-z", "guided_regex")
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec))
+    assert error.value.param == "guided_regex"
