@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "fleet",
     "deploy",
     "simulate",
+    "profile",
     "keys",
     "bench",
 ]
@@ -23,6 +24,7 @@ COMMAND_MODULES = [
 COMMAND_EXTRAS = {
     "generate": "engine",
     "serve": "engine",
+    "profile": "engine",
     "gateway": "gateway",
     "up": "gateway",
     "deploy": "gateway",
