@@ -257,10 +257,7 @@ class FleetSimulator:
         )  # fmt: skip
         cost = replica_seconds / 3600 * config.cost_per_replica_hour
         tokens = sum(r.arrival.output_tokens for r in done)
-        flaps = sum(
-            1 for (t1, c1, d1, _), (t2, c2, d2, _) in zip(decisions, decisions[1:], strict=False)
-            if (d1 - c1) * (d2 - c2) < 0 and t2 - t1 <= config.stable_window_s
-        )  # fmt: skip
+        flaps = count_flaps(decisions, config.stable_window_s)
         return SimulationReport(
             requests=requests,
             served=len(done),
@@ -273,6 +270,14 @@ class FleetSimulator:
             flaps=flaps,
             decisions=decisions,
         )
+
+
+def count_flaps(decisions: list[tuple[float, int, int, str]], window_s: float) -> int:
+    """Reversals: a step down followed by a step up (or the reverse) within `window_s`."""
+    return sum(
+        1 for (t1, c1, d1, _), (t2, c2, d2, _) in zip(decisions, decisions[1:], strict=False)
+        if (d1 - c1) * (d2 - c2) < 0 and t2 - t1 <= window_s
+    )  # fmt: skip
 
 
 def _p90(samples: deque, since: float) -> float | None:
