@@ -257,7 +257,8 @@ class ScaleSimulator:
         completion_rate = running / service_s
         group.finished += done
         group.finished_delta = done
-        # Queue wait of what is queued now: until the completions ahead of it free slots.
+        # Queue wait of what is queued now: until the completions ahead of it free slots. With nothing
+        # completing (no ready replica) it is at least the TTFT objective: held requests count as misses.
         wait_s = group.queued / completion_rate if completion_rate else (config.ttft_p90_ms / 1000 if group.queued else 0.0)
         per_replica_rate = inflow / dt / group.ready if group.ready else 0.0
         utilisation = min(per_replica_rate * self.prefill_s, 0.99)
