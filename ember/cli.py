@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "deploy",
     "autoscale",
     "simulate",
+    "profile",
     "keys",
     "bench",
 ]
@@ -24,6 +25,7 @@ COMMAND_MODULES = [
 COMMAND_EXTRAS = {
     "generate": "engine",
     "serve": "engine",
+    "profile": "engine",
     "gateway": "gateway",
     "up": "gateway",
     "deploy": "gateway",

@@ -10,7 +10,7 @@ own schema) plus a `launch:` section saying which of its replicas to start local
       restart: {initial_backoff_s: 1, max_backoff_s: 30, stable_after_s: 30}
       shutdown_timeout_s: 30
       autoscaled:                             # how to start replicas of models with an `autoscaling:` section
-        tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}
+        tiny: {model: ./tiny-model, args: [--dtype, float32], capacity: 8, region: local}  # or profile: p.json
       autoscaler: {interval_s: 2, port: 8090} # decision interval; /metrics and /status of `ember up` (optional)
       ray:                                    # optional: the autoscaled replicas run as Ray actors (docs/ray.md)
         address: local                        # or auto, ray://head:10001, head:6379
@@ -89,6 +89,10 @@ class LaunchAutoscaled(StrictModel):
     args: list[str] = Field(default_factory=list, description="More `ember serve` flags")
     host: str = "127.0.0.1"
     capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each replica")
+    profile: str | None = Field(
+        default=None, description="An `ember profile` file (relative to the fleet file): its max_batch is the "
+        "capacity unless capacity is given",
+    )  # fmt: skip
     region: str | None = None
 
 
@@ -274,10 +278,25 @@ def _autoscaled_models(
         serve_args = ["serve", "--model", source, "--served-model-name", upstream]
         if "--num-threads" not in how.args:
             serve_args += ["--num-threads", str(threads_per_replica)]
-        models[name] = AutoscaledModel(
-            name, model.autoscaling, [*serve_args, *how.args], how.host, how.capacity, how.region
-        )
+        capacity = how.capacity
+        if how.profile is not None and "capacity" not in how.model_fields_set:
+            capacity = _profiled_capacity(path.parent / how.profile, f"{path}: launch.autoscaled.{name}.profile")
+        models[name] = AutoscaledModel(name, model.autoscaling, [*serve_args, *how.args], how.host, capacity, how.region)
     return models
+
+
+def _profiled_capacity(path: Path, where: str) -> int:
+    """The concurrency `ember profile` measured a replica at (its largest batch)."""
+    from pydantic import ValidationError
+
+    from ember.control.autoscaling.simulator import ReplicaProfile
+
+    try:
+        return ReplicaProfile.model_validate_json(path.read_text(encoding="utf-8")).max_batch
+    except OSError as exc:
+        raise FleetError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        raise FleetError(f"{where}: {path} is not a profile ({exc.error_count()} error(s): {exc.errors()[0]['msg']})") from None
 
 
 def _local_replicas(gateway: GatewayConfig, port: int) -> tuple[str, list[str], list[str], str | None]:

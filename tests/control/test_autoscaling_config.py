@@ -141,3 +141,23 @@ def test_print_commands_shows_the_autoscaled_replica_command_and_fleet_status_ne
     del data["launch"]["autoscaler"]["port"]
     assert main(["fleet", "status", str(write(tmp_path, data))]) == 2
     assert "launch.autoscaler.port" in capsys.readouterr().err
+
+
+def test_a_profile_gives_the_capacity_unless_capacity_is_set(tmp_path):
+    (tmp_path / "tiny-model").mkdir()
+    (tmp_path / "tiny.json").write_text(
+        '{"prefill_tokens_per_s": 900, "decode_step_s": 0.01, "decode_step_per_seq_s": 0.001, "max_batch": 12,'
+        ' "cold_start_s": 5}'
+    )
+    data = fleet_data()
+    data["launch"]["autoscaled"]["tiny"] = {"model": "tiny-model", "profile": "tiny.json"}
+    assert load_fleet(write(tmp_path, data)).autoscaled["tiny"].capacity == 12
+    data["launch"]["autoscaled"]["tiny"]["capacity"] = 4
+    assert load_fleet(write(tmp_path, data)).autoscaled["tiny"].capacity == 4
+    data["launch"]["autoscaled"]["tiny"] = {"model": "tiny-model", "profile": "missing.json"}
+    with pytest.raises(FleetError, match=r"launch\.autoscaled\.tiny\.profile: cannot read .*missing\.json: No such file"):
+        load_fleet(write(tmp_path, data))
+    (tmp_path / "bad.json").write_text('{"max_batch": 0}')
+    data["launch"]["autoscaled"]["tiny"] = {"model": "tiny-model", "profile": "bad.json"}
+    with pytest.raises(FleetError, match=r"launch\.autoscaled\.tiny\.profile: .*bad\.json is not a profile"):
+        load_fleet(write(tmp_path, data))

@@ -14,15 +14,21 @@ prints).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 import httpx
-from aiohttp import web
+import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ember.control.autoscaling.policy import (
     AutoscalingPolicy,
@@ -112,6 +118,15 @@ class _ModelSignals:
         )
 
 
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn serving inside a loop someone else runs: signals stay with the process that owns them
+    (`ember up`'s supervisor stops the autoscaler, then this server)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class Autoscaler:
     def __init__(
         self,
@@ -144,19 +159,14 @@ class Autoscaler:
         self._stops: set[asyncio.Task] = set()
         self._http = httpx.AsyncClient(timeout=max(1.0, self.settings.interval_s))
         self._task = PeriodicTask("ember-autoscaler", self.settings.interval_s, self.step)
-        self._site: web.AppRunner | None = None
+        self._server: _EmbeddedServer | None = None
+        self._serving: asyncio.Task | None = None
 
     # --- lifecycle (a Supervisor service) ---------------------------------------------------------
 
     async def start(self) -> None:
         if self.settings.port is not None:
-            app = web.Application()
-            app.router.add_get("/metrics", self._serve_metrics)
-            app.router.add_get("/status", self._serve_status)
-            app.router.add_get("/rounds", self._serve_rounds)
-            self._site = web.AppRunner(app, access_log=None)
-            await self._site.setup()
-            await web.TCPSite(self._site, self.settings.host, self.settings.port).start()
+            await self._start_control_endpoint()
         await self.provider.start()
         await self._task.start()
 
@@ -165,8 +175,23 @@ class Autoscaler:
         await asyncio.gather(*self._stops, return_exceptions=True)
         await self.provider.close()
         await self._http.aclose()
-        if self._site is not None:
-            await self._site.cleanup()
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._serving
+
+    async def _start_control_endpoint(self) -> None:
+        app = Starlette(routes=[
+            Route("/metrics", self._serve_metrics),
+            Route("/status", self._serve_status),
+            Route("/rounds", self._serve_rounds),
+        ])  # fmt: skip
+        config = uvicorn.Config(
+            app, host=self.settings.host, port=self.settings.port, access_log=False, log_level="warning", lifespan="off"
+        )
+        # Bound here, not by uvicorn, which answers a taken port with sys.exit: this raises OSError.
+        listener = socket.create_server((self.settings.host, self.settings.port))
+        self._server = _EmbeddedServer(config)
+        self._serving = asyncio.create_task(self._server.serve([listener]), name="ember-autoscaler-endpoint")
 
     # --- one round ------------------------------------------------------------------------------
 
@@ -314,15 +339,15 @@ class Autoscaler:
             }
         return {"models": models, "decisions": [asdict(entry) for entry in self.decision_log]}
 
-    async def _serve_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+    async def _serve_metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain")
 
-    async def _serve_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status())
+    async def _serve_status(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.status())
 
-    async def _serve_rounds(self, request: web.Request) -> web.Response:
+    async def _serve_rounds(self, request: Request) -> JSONResponse:
         """Each model's recorded rounds, `complete` while none has been dropped from the log."""
-        return web.json_response({
+        return JSONResponse({
             name: {
                 "complete": len(rounds) < ROUND_LOG_SIZE,
                 "rounds": [{"observation": asdict(obs), "decision": asdict(decision)} for obs, decision in rounds],

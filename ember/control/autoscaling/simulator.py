@@ -24,16 +24,32 @@ from ember.errors import EmberError
 from ember.gateway.config import AutoscalingConfig
 
 
-class ReplicaProfile(BaseModel):
-    """How fast one replica is (a JSON file for `ember simulate --profile`)."""
+class MeasuredPoint(BaseModel):
+    """One measurement of `ember profile`: x is a prompt length (tokens) or a batch size."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    x: int
+    seconds: float
+
+
+class ReplicaProfile(BaseModel):
+    """How fast one replica is (a JSON file for `ember simulate --profile`, written by `ember profile`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str | None = Field(default=None, description="What was measured (informational)")
 
     prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens prefilled per second, one prompt at a time")
     decode_step_s: float = Field(gt=0, description="One decode step with one sequence")
     decode_step_per_seq_s: float = Field(ge=0, description="Added to a step per further sequence in the batch")
     max_batch: int = Field(gt=0, description="Concurrent requests per replica (the gateway's capacity)")
     cold_start_s: float = Field(ge=0, description="Process start to serving")
+    cost_per_replica_hour: float | None = Field(
+        default=None, ge=0, description="This hardware's price; overrides the fleet file's when comparing hardware"
+    )
+    ttft_by_prompt_tokens: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
+    step_by_batch: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
 
     def step_s(self, batch: int) -> float:
         return self.decode_step_s + self.decode_step_per_seq_s * max(batch - 1, 0)
@@ -241,10 +257,7 @@ class FleetSimulator:
         )  # fmt: skip
         cost = replica_seconds / 3600 * config.cost_per_replica_hour
         tokens = sum(r.arrival.output_tokens for r in done)
-        flaps = sum(
-            1 for (t1, c1, d1, _), (t2, c2, d2, _) in zip(decisions, decisions[1:], strict=False)
-            if (d1 - c1) * (d2 - c2) < 0 and t2 - t1 <= config.stable_window_s
-        )  # fmt: skip
+        flaps = count_flaps(decisions, config.stable_window_s)
         return SimulationReport(
             requests=requests,
             served=len(done),
@@ -257,6 +270,14 @@ class FleetSimulator:
             flaps=flaps,
             decisions=decisions,
         )
+
+
+def count_flaps(decisions: list[tuple[float, int, int, str]], window_s: float) -> int:
+    """Reversals: a step down followed by a step up (or the reverse) within `window_s`."""
+    return sum(
+        1 for (t1, c1, d1, _), (t2, c2, d2, _) in zip(decisions, decisions[1:], strict=False)
+        if (d1 - c1) * (d2 - c2) < 0 and t2 - t1 <= window_s
+    )  # fmt: skip
 
 
 def _p90(samples: deque, since: float) -> float | None:
