@@ -26,6 +26,7 @@ import yaml
 from ember.control.autoscaling.provider import GatewayAdmin, ReplicaState
 from ember.control.fleet import load_fleet
 from ember.gateway.admin import CONTROL_TOKEN_ENV
+from ember.gateway.config import FLEET_CREDENTIAL_ENV
 
 ray = pytest.importorskip("ray")
 from ember.control.autoscaling.ray_provider import RayProvider  # noqa: E402 - needs ray
@@ -92,7 +93,8 @@ def gateway(fleet_file: Path):
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "gateway", "--config", str(fleet_file), "--host", "127.0.0.1",
          "--port", str(port)],
-        env={**os.environ, CONTROL_TOKEN_ENV: TOKEN},
+        # As `ember up` starts it: the control token, and the fleet credential its replicas require.
+        env={**os.environ, CONTROL_TOKEN_ENV: TOKEN, FLEET_CREDENTIAL_ENV: fleet.credential},
     )  # fmt: skip
     yield fleet
     process.terminate()
