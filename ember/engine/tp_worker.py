@@ -1,0 +1,126 @@
+"""Tensor-parallel ranks 1..N-1: processes the engine (rank 0) starts, binds to their cores and supervises.
+
+Each worker joins the group, loads only its shard, then runs every step rank 0 broadcasts. A worker that
+dies is noticed twice: rank 0's next collective fails (its peer's connection closes), and the supervisor's
+thread logs the exit at once and names it in the error the engine raises."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ember.engine.args import EngineArgs, parse_cpu_bind
+from ember.engine.parallel import COLLECTIVE_TIMEOUT, ShardLayout, TensorParallelError, TensorParallelGroup
+from ember.engine.resources import resolve_device
+from ember.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def rank_cores(args: EngineArgs) -> list[list[int]]:
+    """Each rank's CPU cores: --cpu-bind's lists, else the cores this process may use split evenly."""
+    if args.cpu_bind is not None:
+        return parse_cpu_bind(args.cpu_bind)
+    available = sorted(os.sched_getaffinity(0))
+    size = args.tensor_parallel_size
+    per_rank = max(1, len(available) // size)
+    return [available[r * per_rank : (r + 1) * per_rank] or available for r in range(size)]
+
+
+def bind_to_cores(cores: list[int]) -> None:
+    """Run this process (and torch's intra-op threads) on `cores` only."""
+    os.sched_setaffinity(0, cores)
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on the worker processes: starts them, joins the group with them, watches them."""
+
+    def __init__(self, args: EngineArgs, config: ModelConfig) -> None:
+        size = args.tensor_parallel_size
+        self.device = resolve_device(args.device)
+        cores = rank_cores(args) if self.device.type == "cpu" else None
+        store = dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        self.processes = []
+        for rank in range(1, size):
+            process = context.Process(
+                target=_worker_main, name=f"ember-tp-rank{rank}", daemon=True,
+                args=(rank, args, config, store.port, None if cores is None else cores[rank]),
+            )
+            process.start()
+            self.processes.append(process)
+        self.failure: str | None = None
+        self._stopping = False
+        threading.Thread(target=self._watch, name="ember-tp-supervisor", daemon=True).start()
+        if cores is not None:
+            bind_to_cores(cores[0])
+        device = self.device if self.device.type == "cpu" else torch.device("cuda", 0)
+        self.group = TensorParallelGroup(ShardLayout.for_rank(config, 0, size), store, device,
+                                         _shm_allreduce(args, 0, store))
+        self._store = store  # the workers' rendezvous: lives as long as the group
+
+    def check_alive(self, error: TensorParallelError) -> TensorParallelError:
+        """`error` from a failed collective, naming the dead worker where the supervisor saw one."""
+        for process in self.processes:
+            process.join(timeout=1.0)  # the exit is usually already there; give it a moment
+            if process.exitcode is not None:
+                return TensorParallelError(f"tensor-parallel worker {process.name} (pid {process.pid}) exited "
+                                           f"with code {process.exitcode}: {error}")
+        return error
+
+    def _watch(self) -> None:
+        ended = multiprocessing.connection.wait([process.sentinel for process in self.processes])
+        if self._stopping:
+            return
+        dead = [p for p in self.processes if p.sentinel in ended]
+        for process in dead:
+            process.join()  # sets its exitcode
+        self.failure = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+        logger.error("tensor-parallel worker died: %s; the engine cannot run another step", self.failure)
+
+    def stop(self) -> None:
+        """After the runner's shutdown broadcast: wait for the workers to leave, kill any that do not."""
+        self._stopping = True
+        for process in self.processes:
+            process.join(timeout=10.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _shm_allreduce(args: EngineArgs, rank: int, store: dist.Store) -> None:
+    return None
+
+
+def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: int,
+                 cores: list[int] | None) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    from ember.engine.model_runner import ModelRunner
+    from ember.loader import load_model
+
+    if cores is not None:
+        bind_to_cores(cores)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(LOOPBACK, store_port, args.tensor_parallel_size, is_master=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    # The group first: rank 0 waits on it, and a failed load then fails rank 0's barrier at once.
+    group = TensorParallelGroup(ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device,
+                                _shm_allreduce(args, rank, store))
+    loaded = load_model(args.model, dtype=args.dtype, device=device)
+    runner = ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
+    loaded.state_dict.clear()  # only the shard's copies stay
+    group.barrier()  # every rank loaded: rank 0 may start stepping
+    runner.run_worker_loop()
