@@ -179,6 +179,11 @@ class LLMEngine:
         except TensorParallelError as exc:
             raise self.workers.check_alive(exc) from exc
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel worker died), else None."""
+        return None if self.workers is None else self.workers.failure
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank); the engine takes no step after."""
         if self.workers is not None and self.workers.failure is None:
