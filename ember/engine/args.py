@@ -14,6 +14,7 @@ from ember.kernels import KERNEL_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
 # context: short steps let a new request's prefill start (and its first token come out) sooner and keep
 # running streams' inter-token latency low, at some cost in prefill throughput (measured in
@@ -97,6 +98,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # CPU cores of each rank, "0-3|4-7" (vLLM's VLLM_CPU_OMP_THREADS_BIND); default: the cores split evenly.
     cpu_bind: str | None = None
+    # On CPU: shm = through shared memory (ember/engine/shm_allreduce.py), gloo = torch.distributed's. CUDA: NCCL.
+    tensor_parallel_all_reduce: str = "shm"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -109,6 +112,9 @@ class EngineArgs:
             raise EmberError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise EmberError(f"device must be one of {', '.join(DEVICE_CHOICES)} or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_all_reduce not in TP_ALL_REDUCE_CHOICES:
+            raise EmberError(f"tensor_parallel_all_reduce must be one of {', '.join(TP_ALL_REDUCE_CHOICES)}, "
+                             f"got {self.tensor_parallel_all_reduce!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise EmberError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         positive = {
@@ -181,6 +187,11 @@ class EngineArgs:
                            help="CPU cores of each tensor-parallel rank, '|'-separated as vLLM's "
                                 "VLLM_CPU_OMP_THREADS_BIND: '0-31|32-63' (default: the available cores split "
                                 "evenly)")
+        group.add_argument("--tensor-parallel-all-reduce", default=defaults.tensor_parallel_all_reduce,
+                           choices=TP_ALL_REDUCE_CHOICES,
+                           help="how CPU ranks sum their partial results: shm = through shared memory (the "
+                                "ranks run on this host), gloo = torch.distributed's gloo over loopback TCP; "
+                                "CUDA always uses NCCL (default: %(default)s)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -58,7 +58,7 @@ class LLMEngine:
                                   None if self.workers is None else self.workers.group)
         loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
         if self.workers is not None:
-            self._run_collective(self.workers.group.barrier)  # every rank holds its shard
+            self._run_collective(self.workers.wait_until_loaded)
         self.max_model_len = resolve_max_model_len(self.model_config, args.max_model_len,
                                                    self.runner.num_blocks * self.runner.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,

@@ -11,6 +11,9 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from ember.engine.args import EngineArgs, parse_cpu_bind
 from ember.engine.parallel import COLLECTIVE_TIMEOUT, ShardLayout, TensorParallelError, TensorParallelGroup
 from ember.engine.resources import resolve_device
+from ember.engine.shm_allreduce import ShmAllReduce, shm_path
 from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -50,24 +54,44 @@ class TensorParallelWorkers:
         cores = rank_cores(args) if self.device.type == "cpu" else None
         store = dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
+        self.failure: str | None = None
+        self._stopping = False
+        use_shm = self.device.type == "cpu" and args.tensor_parallel_all_reduce == "shm"
+        path = shm_path(f"{os.getpid()}-{uuid.uuid4().hex[:8]}") if use_shm else None
+        shm = None if path is None else _shm_allreduce(path, args, config, 0, lambda: self.failure is None)
         context = multiprocessing.get_context("spawn")
         self.processes = []
         for rank in range(1, size):
             process = context.Process(
                 target=_worker_main, name=f"ember-tp-rank{rank}", daemon=True,
-                args=(rank, args, config, store.port, None if cores is None else cores[rank]),
+                args=(rank, args, config, store.port, None if cores is None else cores[rank], path),
             )
             process.start()
             self.processes.append(process)
-        self.failure: str | None = None
-        self._stopping = False
         threading.Thread(target=self._watch, name="ember-tp-supervisor", daemon=True).start()
         if cores is not None:
             bind_to_cores(cores[0])
+        self._wait_for_workers_to_join(store)
         device = self.device if self.device.type == "cpu" else torch.device("cuda", 0)
-        self.group = TensorParallelGroup(ShardLayout.for_rank(config, 0, size), store, device,
-                                         _shm_allreduce(args, 0, store))
+        self.group = TensorParallelGroup(ShardLayout.for_rank(config, 0, size), store, device, shm)
         self._store = store  # the workers' rendezvous: lives as long as the group
+
+    def _wait_for_workers_to_join(self, store: dist.Store) -> None:
+        """Wait until every worker has announced itself, failing at once if one exits first (the group's
+        own rendezvous would wait out COLLECTIVE_TIMEOUT for it)."""
+        keys = [f"rank{rank}-joining" for rank in range(1, len(self.processes) + 1)]
+        while not store.check(keys):
+            if self.failure is not None:
+                self.stop()
+                raise TensorParallelError(f"tensor-parallel worker died while starting: {self.failure}")
+            time.sleep(0.05)
+
+    def wait_until_loaded(self) -> None:
+        """Return once every rank holds its shard (rank 0's runner built); the shared-memory file, mapped by
+        every rank by then, is unlinked so that no crash leaves it behind."""
+        self.group.barrier()
+        if self.group.shm_allreduce is not None:
+            self.group.shm_allreduce.unlink()
 
     def check_alive(self, error: TensorParallelError) -> TensorParallelError:
         """`error` from a failed collective, naming the dead worker where the supervisor saw one."""
@@ -98,12 +122,15 @@ class TensorParallelWorkers:
                 process.join()
 
 
-def _shm_allreduce(args: EngineArgs, rank: int, store: dist.Store) -> None:
-    return None
+def _shm_allreduce(path: str, args: EngineArgs, config: ModelConfig, rank: int,
+                   peers_alive: Callable[[], bool]) -> ShmAllReduce:
+    # The largest all-reduce of a step: one hidden state per token of the step's budget (larger: gloo).
+    max_bytes = args.max_num_batched_tokens * config.hidden_size * config.torch_dtype.itemsize
+    return ShmAllReduce(path, rank, args.tensor_parallel_size, max_bytes, rank == 0, peers_alive)
 
 
 def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: int,
-                 cores: list[int] | None) -> None:
+                 cores: list[int] | None, shm_file: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     from ember.engine.model_runner import ModelRunner
     from ember.loader import load_model
@@ -117,8 +144,11 @@ def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: i
     store = dist.TCPStore(LOOPBACK, store_port, args.tensor_parallel_size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)
     # The group first: rank 0 waits on it, and a failed load then fails rank 0's barrier at once.
-    group = TensorParallelGroup(ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device,
-                                _shm_allreduce(args, rank, store))
+    store.set(f"rank{rank}-joining", "1")
+    engine_pid = os.getppid()  # rank 0: while it lives, this process stays its child
+    shm = None if shm_file is None else _shm_allreduce(shm_file, args, config, rank,
+                                                       lambda: os.getppid() == engine_pid)
+    group = TensorParallelGroup(ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device, shm)
     loaded = load_model(args.model, dtype=args.dtype, device=device)
     runner = ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
     loaded.state_dict.clear()  # only the shard's copies stay

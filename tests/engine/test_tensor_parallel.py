@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU: two ranks (the engine process and one spawned worker, over gloo) give the
-tokens one rank gives in float32, under batching, chunked prefill, prefix-cache hits, preemption and
-speculative decoding, greedy and seeded sampling; a worker killed mid-run fails the engine at once."""
+"""Tensor parallelism on CPU: two ranks (the engine process and one spawned worker; all-reduce through shared
+memory, or gloo) give the tokens one rank gives in float32, under batching, chunked prefill, prefix-cache
+hits, preemption and speculative decoding, greedy and seeded sampling; a worker killed mid-run fails the
+engine at once."""
 
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ def make_tp_llm(tiny_model_dir):
 @pytest.mark.parametrize(
     "engine_args",
     [
-        {},  # every prompt in one batch
+        {},  # every prompt in one batch, all-reduced through shared memory
+        {"tensor_parallel_all_reduce": "gloo"},
         {"max_num_batched_tokens": 16},  # chunked prefill
         {"kv_cache_memory": kv_gib(24), "enable_prefix_caching": False},  # preemption
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}},
     ],
-    ids=["batch", "chunked-prefill", "preemption", "ngram-speculation"],
+    ids=["batch", "batch-gloo", "chunked-prefill", "preemption", "ngram-speculation"],
 )
 def test_two_ranks_give_one_rank_greedy_tokens(make_tp_llm, engine_args):
     # Repetitive prompts give the n-gram proposer drafts to verify.
@@ -97,6 +99,17 @@ def test_sizes_that_do_not_split_are_refused(tiny_model_dir):
         LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=3)
     with pytest.raises(EmberError, match="cpu_bind names 1 core list"):
         LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2, cpu_bind="0")
+
+
+def test_a_worker_that_fails_to_start_fails_the_engine_at_once(tiny_model_dir):
+    cores = os.sched_getaffinity(0)
+    started = time.monotonic()
+    try:  # core 4096 does not exist: the worker's sched_setaffinity fails before it joins
+        with pytest.raises(TensorParallelError, match=r"worker died while starting: ember-tp-rank1 .* code 1"):
+            LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2, cpu_bind=f"{min(cores)}|4096")
+    finally:
+        os.sched_setaffinity(0, cores)  # rank 0 (this process) was bound to its core
+    assert time.monotonic() - started < 60
 
 
 def test_a_killed_worker_fails_the_engine_without_hanging(make_tp_llm):
