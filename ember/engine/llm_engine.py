@@ -54,11 +54,16 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             check_tensor_parallel(loaded.config, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(args, loaded.config)
-        self.runner = ModelRunner(loaded.config, loaded.state_dict, args,
-                                  None if self.workers is None else self.workers.group)
-        loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
-        if self.workers is not None:
-            self._run_collective(self.workers.wait_until_loaded)
+        try:
+            self.runner = ModelRunner(loaded.config, loaded.state_dict, args,
+                                      None if self.workers is None else self.workers.group)
+            loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
+            if self.workers is not None:
+                self._run_collective(self.workers.wait_until_loaded)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.stop()
+            raise
         self.max_model_len = resolve_max_model_len(self.model_config, args.max_model_len,
                                                    self.runner.num_blocks * self.runner.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,

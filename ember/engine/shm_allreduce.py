@@ -30,7 +30,7 @@ def shm_path(tag: str) -> str:
 
 class ShmAllReduce:
     """One rank's handle on the shared segment. Rank 0 creates the file (create=True) before the workers
-    start; after every rank has mapped it, rank 0 unlinks it (`unlink`), so nothing is left behind by a crash."""
+    start; after every rank has mapped it, rank 0 unlinks it, so nothing is left behind by a crash."""
 
     def __init__(self, path: str, rank: int, size: int, max_bytes: int, create: bool,
                  peers_alive: Callable[[], bool]) -> None:

@@ -57,10 +57,20 @@ class TensorParallelWorkers:
         self.failure: str | None = None
         self._stopping = False
         use_shm = self.device.type == "cpu" and args.tensor_parallel_all_reduce == "shm"
-        path = shm_path(f"{os.getpid()}-{uuid.uuid4().hex[:8]}") if use_shm else None
+        self._shm_file = shm_path(f"{os.getpid()}-{uuid.uuid4().hex[:8]}") if use_shm else None
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        try:
+            self.group = self._start(args, config, store, cores)
+        except BaseException:
+            self.stop()
+            raise
+        self._store = store  # the workers' rendezvous: lives as long as the group
+
+    def _start(self, args: EngineArgs, config: ModelConfig, store: dist.TCPStore,
+               cores: list[list[int]] | None) -> TensorParallelGroup:
+        size, path = args.tensor_parallel_size, self._shm_file
         shm = None if path is None else _shm_allreduce(path, args, config, 0, lambda: self.failure is None)
         context = multiprocessing.get_context("spawn")
-        self.processes = []
         for rank in range(1, size):
             process = context.Process(
                 target=_worker_main, name=f"ember-tp-rank{rank}", daemon=True,
@@ -73,8 +83,7 @@ class TensorParallelWorkers:
             bind_to_cores(cores[0])
         self._wait_for_workers_to_join(store)
         device = self.device if self.device.type == "cpu" else torch.device("cuda", 0)
-        self.group = TensorParallelGroup(ShardLayout.for_rank(config, 0, size), store, device, shm)
-        self._store = store  # the workers' rendezvous: lives as long as the group
+        return TensorParallelGroup(ShardLayout.for_rank(config, 0, size), store, device, shm)
 
     def _wait_for_workers_to_join(self, store: dist.Store) -> None:
         """Wait until every worker has announced itself, failing at once if one exits first (the group's
@@ -82,7 +91,6 @@ class TensorParallelWorkers:
         keys = [f"rank{rank}-joining" for rank in range(1, len(self.processes) + 1)]
         while not store.check(keys):
             if self.failure is not None:
-                self.stop()
                 raise TensorParallelError(f"tensor-parallel worker died while starting: {self.failure}")
             time.sleep(0.05)
 
@@ -90,14 +98,19 @@ class TensorParallelWorkers:
         """Return once every rank holds its shard (rank 0's runner built); the shared-memory file, mapped by
         every rank by then, is unlinked so that no crash leaves it behind."""
         self.group.barrier()
-        if self.group.shm_allreduce is not None:
-            self.group.shm_allreduce.unlink()
+        self._remove_shm_file()
+
+    def _remove_shm_file(self) -> None:
+        if self._shm_file is not None and os.path.exists(self._shm_file):
+            os.unlink(self._shm_file)
 
     def check_alive(self, error: TensorParallelError) -> TensorParallelError:
         """`error` from a failed collective, naming the dead worker where the supervisor saw one."""
         for process in self.processes:
             process.join(timeout=1.0)  # the exit is usually already there; give it a moment
             if process.exitcode is not None:
+                # The supervisor's thread may not have run yet: the engine's failure is set from here too.
+                self.failure = self.failure or f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
                 return TensorParallelError(f"tensor-parallel worker {process.name} (pid {process.pid}) exited "
                                            f"with code {process.exitcode}: {error}")
         return error
@@ -113,8 +126,10 @@ class TensorParallelWorkers:
         logger.error("tensor-parallel worker died: %s; the engine cannot run another step", self.failure)
 
     def stop(self) -> None:
-        """After the runner's shutdown broadcast: wait for the workers to leave, kill any that do not."""
+        """After the runner's shutdown broadcast (or a failed start): wait for the workers to leave, kill any
+        that do not."""
         self._stopping = True
+        self._remove_shm_file()
         for process in self.processes:
             process.join(timeout=10.0)
             if process.is_alive():

@@ -5,6 +5,7 @@ engine at once."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.engine.parallel import TensorParallelError
+from ember.engine.shm_allreduce import shm_path
 from ember.errors import EmberError
 from tests.conftest import build_tiny_model_dir
 from tests.engine.test_engine_greedy_tiny import PROMPTS, kv_gib, make_prompts
@@ -110,6 +112,7 @@ def test_a_worker_that_fails_to_start_fails_the_engine_at_once(tiny_model_dir):
     finally:
         os.sched_setaffinity(0, cores)  # rank 0 (this process) was bound to its core
     assert time.monotonic() - started < 60
+    assert not glob.glob(shm_path(f"{os.getpid()}-*"))  # the shared-memory file was removed
 
 
 def test_a_killed_worker_fails_the_engine_without_hanging(make_tp_llm):
