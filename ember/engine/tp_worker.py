@@ -6,6 +6,7 @@ thread logs the exit at once and names it in the error the engine raises."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -74,11 +75,15 @@ class TensorParallelWorkers:
         for rank in range(1, size):
             process = context.Process(
                 target=_worker_main, name=f"ember-tp-rank{rank}", daemon=True,
-                args=(rank, args, config, store.port, None if cores is None else cores[rank], path),
+                args=(rank, args, config, store.port, None if cores is None else cores[rank], path,
+                      logging.getLogger().getEffectiveLevel()),  # the workers log as the engine's process does
             )
             process.start()
             self.processes.append(process)
         threading.Thread(target=self._watch, name="ember-tp-supervisor", daemon=True).start()
+        # At interpreter exit multiprocessing terminates daemon workers (this handler runs before its own):
+        # an expected end, not a failure to report.
+        atexit.register(setattr, self, "_stopping", True)
         if cores is not None:
             bind_to_cores(cores[0])
         self._wait_for_workers_to_join(store)
@@ -145,8 +150,8 @@ def _shm_allreduce(path: str, args: EngineArgs, config: ModelConfig, rank: int,
 
 
 def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: int,
-                 cores: list[int] | None, shm_file: str | None) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+                 cores: list[int] | None, shm_file: str | None, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     from ember.engine.model_runner import ModelRunner
     from ember.loader import load_model
 
