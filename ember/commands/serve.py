@@ -125,5 +125,6 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=5,  # after our own drain, only idle keep-alive connections remain
     )
-    DrainingServer(config, app.state.lifecycle, app.state.abort_all).run()
-    return 0
+    server = DrainingServer(config, app.state.lifecycle, app.state.abort_all, lambda: engine.failure)
+    server.run()
+    return 1 if server.engine_failed else 0

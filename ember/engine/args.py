@@ -14,6 +14,7 @@ from ember.kernels import KERNEL_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
 # context: short steps let a new request's prefill start (and its first token come out) sooner and keep
 # running streams' inter-token latency low, at some cost in prefill throughput (measured in
@@ -93,19 +94,34 @@ class EngineArgs:
     seed: int = 0
     # Speculative decoding; a dict or JSON object is turned into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Tensor parallelism: the model's layers split across this many ranks (ember/engine/parallel.py).
+    tensor_parallel_size: int = 1
+    # CPU cores of each rank, "0-3|4-7" (vLLM's VLLM_CPU_OMP_THREADS_BIND); default: the cores split evenly.
+    cpu_bind: str | None = None
+    # On CPU: shm = through shared memory (ember/engine/shm_allreduce.py), gloo = torch.distributed's. CUDA: NCCL.
+    tensor_parallel_all_reduce: str = "shm"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.cpu_bind is not None:
+            core_lists = parse_cpu_bind(self.cpu_bind)
+            if len(core_lists) != self.tensor_parallel_size:
+                raise EmberError(f"cpu_bind names {len(core_lists)} core list(s) for tensor_parallel_size "
+                                 f"{self.tensor_parallel_size}: give one per rank, separated by '|'")
         if self.dtype not in DTYPE_CHOICES:
             raise EmberError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise EmberError(f"device must be one of {', '.join(DEVICE_CHOICES)} or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_all_reduce not in TP_ALL_REDUCE_CHOICES:
+            raise EmberError(f"tensor_parallel_all_reduce must be one of {', '.join(TP_ALL_REDUCE_CHOICES)}, "
+                             f"got {self.tensor_parallel_all_reduce!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise EmberError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         if self.max_model_len is not None:
             positive["max_model_len"] = self.max_model_len
@@ -163,7 +179,39 @@ class EngineArgs:
                                 "earlier occurrence of the sequence's last n tokens, and one step verifies them "
                                 "all; outputs are those of plain decoding (same distribution when sampling). "
                                 "Requests with penalties decode without drafts. Default: off")
+        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
+                           help="split every layer across this many ranks (processes; one per GPU on CUDA, "
+                                "a group of cores or a socket on CPU); the attention heads must divide by it "
+                                "(default: %(default)s)")
+        group.add_argument("--cpu-bind", default=defaults.cpu_bind, metavar="CORES",
+                           help="CPU cores of each tensor-parallel rank, '|'-separated as vLLM's "
+                                "VLLM_CPU_OMP_THREADS_BIND: '0-31|32-63' (default: the available cores split "
+                                "evenly)")
+        group.add_argument("--tensor-parallel-all-reduce", default=defaults.tensor_parallel_all_reduce,
+                           choices=TP_ALL_REDUCE_CHOICES,
+                           help="how CPU ranks sum their partial results: shm = through shared memory (the "
+                                "ranks run on this host), gloo = torch.distributed's gloo over loopback TCP; "
+                                "CUDA always uses NCCL (default: %(default)s)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{field.name: getattr(ns, field.name) for field in dataclasses.fields(cls)})
+
+
+def parse_cpu_bind(value: str) -> list[list[int]]:
+    """"0-3,8|4-7" -> [[0, 1, 2, 3, 8], [4, 5, 6, 7]]: one core list per rank."""
+    core_lists = []
+    for rank_spec in value.split("|"):
+        cores: list[int] = []
+        for part in rank_spec.split(","):
+            first, _, last = part.strip().partition("-")
+            try:
+                low, high = int(first), int(last or first)
+            except ValueError:
+                raise EmberError(f"cpu_bind {value!r}: {part.strip()!r} is not a core or a range of cores "
+                                 "such as 0-3") from None
+            if low < 0 or high < low:
+                raise EmberError(f"cpu_bind {value!r}: bad core range {part.strip()!r}")
+            cores += range(low, high + 1)
+        core_lists.append(cores)
+    return core_lists

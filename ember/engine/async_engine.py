@@ -17,6 +17,7 @@ from ember.engine.args import EngineArgs
 from ember.engine.errors import EngineDeadError, EngineRequestError, InvalidRequestError
 from ember.engine.llm_engine import LLMEngine, PreparedRequest
 from ember.engine.outputs import EngineStats, RequestOutput
+from ember.engine.parallel import TensorParallelError
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.structured_output.spec import StructuredOutputSpec
 
@@ -61,12 +62,22 @@ class AsyncEngine:
             self._stopping = True
             self._wakeup.notify()
         await asyncio.to_thread(thread.join)
+        await asyncio.to_thread(self.engine.shutdown)
         self._thread = None
         self._fail_all_streams(EngineDeadError("the engine was shut down"))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self.engine.failure is None)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (its thread died, a tensor-parallel worker died); None while
+        it can, or after a deliberate shutdown."""
+        if self._dead_error is not None:
+            return self._dead_reason()
+        return self.engine.failure
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -157,6 +168,8 @@ class AsyncEngine:
                 if engine.has_unfinished_requests():
                     try:
                         outputs.extend(engine.step())
+                    except TensorParallelError:
+                        raise  # a rank is gone: the engine is dead, not one step
                     except Exception as exc:  # noqa: BLE001 - a bug outside the model step: fail all, go on
                         logger.exception("engine step failed; failing every unfinished request")
                         error = EngineRequestError(f"engine step failed: {type(exc).__name__}: {exc}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,14 +19,17 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.ngram_proposer import NgramProposer
 from ember.engine.output_processor import OutputProcessor, RequestState
 from ember.engine.outputs import EngineStats, RequestOutput
+from ember.engine.parallel import TensorParallelError, check_tensor_parallel
 from ember.engine.resources import resolve_device, resolve_max_model_len
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
 from ember.engine.structured_output.grammar import GrammarMatcher, StructuredOutputManager
+from ember.engine.tp_worker import TensorParallelWorkers
 from ember.loader import load_model
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,20 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
-        self.runner = ModelRunner(loaded.config, loaded.state_dict, args)
-        loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
+        self.workers: TensorParallelWorkers | None = None
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel(loaded.config, args.tensor_parallel_size)
+            self.workers = TensorParallelWorkers(args, loaded.config)
+        try:
+            self.runner = ModelRunner(loaded.config, loaded.state_dict, args,
+                                      None if self.workers is None else self.workers.group)
+            loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
+            if self.workers is not None:
+                self._run_collective(self.workers.wait_until_loaded)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.stop()
+            raise
         self.max_model_len = resolve_max_model_len(self.model_config, args.max_model_len,
                                                    self.runner.num_blocks * self.runner.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
@@ -157,11 +173,38 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return []
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = self._run_collective(self.runner.execute, scheduler_output)
+        except TensorParallelError:
+            raise  # a rank is gone: no later step can run either
         except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
             return self._fail_batch(scheduler_output, exc)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self.output_processor.process_outputs(updates)
+
+    def _run_collective(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)`, where a failed tensor-parallel collective raises TensorParallelError naming the
+        dead worker."""
+        if self.workers is not None and self.workers.failure is not None:
+            raise TensorParallelError(f"tensor-parallel worker died: {self.workers.failure}")
+        try:
+            return function(*args)
+        except TensorParallelError as exc:
+            raise self.workers.check_alive(exc) from exc
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel worker died), else None."""
+        return None if self.workers is None else self.workers.failure
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank); the engine takes no step after."""
+        if self.workers is not None and self.workers.failure is None:
+            try:
+                self.runner.shutdown()
+            except TensorParallelError:
+                logger.warning("a tensor-parallel worker was already gone at shutdown")
+        if self.workers is not None:
+            self.workers.stop()
 
     def _fail_batch(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.exception("engine step failed; failing the %d scheduled sequences' requests",

@@ -1,5 +1,9 @@
 """Runs one engine step: builds the step's inputs and attention metadata once, one batched forward over every
-scheduled token (K/V written into and read from the paged cache), logits for the rows that sample, the sampler."""
+scheduled token (K/V written into and read from the paged cache), logits for the rows that sample, the sampler.
+
+Under tensor parallelism every rank has a ModelRunner over its shard: rank 0 builds each step's StepInputs and
+broadcasts them, every rank runs forward_step on them, and rank 0 alone samples; workers sit in
+run_worker_loop."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import numpy as np
 import torch
 
 from ember.engine.args import EngineArgs
+from ember.engine.parallel import TensorParallelGroup
 from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
@@ -26,20 +31,33 @@ from ember.models.config import ModelConfig, cpu_supports_bfloat16
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StepInputs:
+    """What every rank needs to run one step's forward (rank 0 broadcasts it under tensor parallelism)."""
+
+    input_ids: list[int]
+    positions: np.ndarray
+    spans: list[SequenceSpan]  # in flat-batch order: context length, new tokens and block table of each
+    logit_rows: list[int]  # the rows whose logits the step needs, in order
+    all_rows_in_order: bool  # logit_rows is every row of the batch, in order: no selection needed
+
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], args: EngineArgs) -> None:
-        self.device = resolve_device(args.device)
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], args: EngineArgs,
+                 tp: TensorParallelGroup | None = None) -> None:
+        self.device = resolve_device(args.device) if tp is None else tp.device
         if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)) or 1)
         self.config = config
         self.dtype = config.torch_dtype
         self.block_size = args.block_size
-        self.model = build_model(config, self.device)
+        self.tp = tp
+        self.model = build_model(config, self.device, tp)
         self.model.load_weights(state_dict)
+        layout = self.model.layout
         self.native = load_native_kernels(
-            args.kernels, self.device, self.dtype, (config.hidden_size, config.intermediate_size), config.head_dim,
-            config.num_attention_heads // config.num_key_value_heads,
+            args.kernels, self.device, self.dtype, (config.hidden_size, layout.intermediate_size), config.head_dim,
+            layout.num_heads // layout.num_kv_heads,
         )
         for module in self.model.modules():
             if hasattr(module, "native"):
@@ -52,16 +70,18 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, self.block_size, self.dtype, self.device, args.kv_cache_memory,
                                         args.max_num_seqs, args.max_model_len)
         # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:
-        # padding slots are read (and masked), and a masked key must still be finite for softmax @ V.
+        # padding slots are read (and masked), and a masked key must still be finite for softmax @ V. Under
+        # TP each rank holds its own KV heads' part of every block (the block count is the same on every rank).
         self.kv_cache = torch.zeros(
-            config.num_hidden_layers, self.num_blocks, self.block_size, 2, config.num_key_value_heads,
+            config.num_hidden_layers, self.num_blocks, self.block_size, 2, layout.num_kv_heads,
             config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(self.device, args.seed, self.native)
         # One thread: the step's grammar masks are filled in order, overlapping the step's forward.
         self.mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-grammar-mask")
-        logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+        logger.info("model runner%s: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+                    "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
                     "native" if self.native else "torch")
@@ -108,21 +128,15 @@ class ModelRunner:
         # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs.
         bitmask = (self.mask_thread.submit(fill_bitmasks, grammar_rows, len(sample_rows), self.config.vocab_size)
                    if grammar_rows else None)
-        meta = build_attention_metadata(spans, self.block_size, self.dtype, self.device, self.native)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
-            meta,
-            self.kv_caches,
-        )
-        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
         rows = sample_rows + prompt_rows
-        if not rows:
+        step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
+                          len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order
+        if self.tp is not None:
+            self.tp.broadcast_object(step)
+        logits = self.forward_step(step)
+        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
+        if logits is None:
             return result
-        if len(rows) < hidden.shape[0] or prompt_rows:  # all-decode steps sample every row, in order
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        # The sampler upcasts to float32 itself where it needs more than each row's argmax.
-        logits = self.model.compute_logits(hidden, upcast=False)
         if sample_rows:
             metadata = SamplingMetadata.from_sequences(
                 [scheduled[i].seq for i in sampled_seqs], [scheduled[i].draft_token_ids for i in sampled_seqs],
@@ -139,6 +153,33 @@ class ModelRunner:
             for i, count in prompt_counts:
                 result.prompt_logprobs[i] = [next(scores) for _ in range(count)]
         return result
+
+    @torch.inference_mode()
+    def forward_step(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward over the step's tokens; the logits of its logit_rows in the model dtype (the sampler
+        upcasts itself where it needs more than each row's argmax), None when it needs none."""
+        meta = build_attention_metadata(step.spans, self.block_size, self.dtype, self.device, self.native)
+        hidden = self.model(
+            torch.tensor(step.input_ids, device=self.device),
+            torch.from_numpy(step.positions).to(self.device),
+            meta,
+            self.kv_caches,
+        )
+        if not step.logit_rows:
+            return None
+        if not step.all_rows_in_order:
+            hidden = hidden[torch.tensor(step.logit_rows, device=self.device)]
+        return self.model.compute_logits(hidden, upcast=False)
+
+    def run_worker_loop(self) -> None:
+        """A worker rank: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
+        while (step := self.tp.broadcast_object()) is not None:
+            self.forward_step(step)
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the workers to leave run_worker_loop."""
+        if self.tp is not None:
+            self.tp.broadcast_object(None)
 
 
 @dataclass

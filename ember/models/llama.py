@@ -1,13 +1,19 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) in plain PyTorch.
 
 q/k/v and gate/up projections are fused into one matmul each at load time; every token of an engine step goes
-through one forward over a flat [T] batch, attention reading K/V through the paged cache."""
+through one forward over a flat [T] batch, attention reading K/V through the paged cache.
+
+Under tensor parallelism (ember/engine/parallel.py) each rank builds the same modules at its shard's sizes:
+its query/KV heads, its part of the intermediate features and of the vocabulary; the attention and MLP
+outputs are all-reduced, the embedding too (rows outside a rank's vocabulary are zero), and the logits
+all-gathered."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
 from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
 from ember.layers.activation import SiluAndMul
@@ -21,10 +27,11 @@ from ember.models.config import ModelConfig
 class LlamaAttention(nn.Module):
     native: NativeKernels | None = None  # fused RoPE + KV-cache write for bfloat16 on CPU (model runner sets it)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -32,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         # Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)  # row-parallel: its bias on rank 0 only
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
@@ -50,30 +57,36 @@ class LlamaAttention(nn.Module):
             q, k, v = qkv.view(num_tokens, -1, self.head_dim).split(
                 (self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1
             )
-            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
+            return self._output(self.attn(q, k, v, kv_cache, meta, kv_written=True))
         # q and k rotate together: one set of elementwise ops for both.
         qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, meta)
-        return self.o_proj(out)
+        return self._output(out)
+
+    def _output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(attn_out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = Linear(config.hidden_size, 2 * layout.intermediate_size, bias=False)
+        self.down_proj = Linear(layout.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        out = self.down_proj(self.act(self.gate_up_proj(hidden)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layout, tp)
+        self.mlp = LlamaMLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,16 +109,20 @@ class LlamaForCausalLM(nn.Module):
     # With AMX, steps run every layer in one native call (decoder_stack.c; the model runner sets it).
     native: NativeKernels | None = None
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.layout = ShardLayout.for_rank(config, 0, 1) if tp is None else tp.layout
+        vocab = self.layout.vocab_per_rank
         # An explicit (meta) weight skips Embedding's normal_ init, whose meta kernel imports torch._dynamo
         # (seconds of start-up time).
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.layout, tp)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab, bias=False)
         # Built eagerly on the real device even when the module skeleton is built on "meta".
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.torch_dtype, device)
@@ -122,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions)
-        hidden = self.embed_tokens(input_ids)
-        if self.native is not None and self.native.has_decoder_stack:
+        hidden = self._embed(input_ids)
+        # decoder_stack.c runs every layer in one call, with no point to all-reduce at: op by op under TP.
+        if self.native is not None and self.native.has_decoder_stack and self.tp is None:
             stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
             if stacked is not None:
                 return stacked
@@ -131,6 +149,15 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata, kv_cache)
         return self.norm(hidden, residual)[0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: this rank's rows, zero for tokens another rank holds, summed over the ranks.
+        local_ids = input_ids - self.layout.vocab_start
+        elsewhere = (local_ids < 0) | (local_ids >= self.layout.vocab_per_rank)
+        hidden = self.embed_tokens(local_ids.masked_fill(elsewhere, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(1), 0))
 
     def _run_decoder_stack(
         self,
@@ -191,22 +218,34 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab]: float32, or with upcast=False the model dtype they are
         computed in (the matmul runs in the model dtype, as in Hugging Face, so greedy choices match it)."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:  # every rank computes its vocabulary's logits; the padding is cut off
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits.float() if upcast else logits
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up; tie lm_head to the embedding if configured.
 
         Parameters are (re)created on the model's device in config.torch_dtype, so the module may have been
-        built on the "meta" device."""
-        config = self.config
+        built on the "meta" device. Under tensor parallelism each takes a copy of its rank's slice only."""
+        config, layout = self.config, self.layout
         dtype, device = config.torch_dtype, self.device
+        head_dim, sharded = config.head_dim, layout.size > 1
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
             try:
                 tensor = state_dict[name]
             except KeyError:
                 raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
-            return tensor.to(device=device, dtype=dtype)
+            if not sharded:
+                return tensor.to(device=device, dtype=dtype)
+            length = tensor.shape[dim] - start if length is None else length
+            # A copy, so the checkpoint's full tensor is not kept alive behind the slice.
+            return tensor.narrow(dim, start, length).to(device=device, dtype=dtype, copy=True)
+
+        def vocab_rows(name: str) -> torch.Tensor:
+            rows = take(name, 0, layout.vocab_start, min(layout.vocab_per_rank, config.vocab_size - layout.vocab_start))
+            padding = layout.vocab_per_rank - rows.shape[0]  # the last rank's, where size does not divide vocab
+            return torch.cat([rows, rows.new_zeros(padding, rows.shape[1])]) if padding else rows
 
         def assign(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
             expected = getattr(module, attr).shape
@@ -214,25 +253,30 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor for {attr} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
             setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
-        assign(self.embed_tokens, "weight", take("model.embed_tokens.weight"))
+        assign(self.embed_tokens, "weight", vocab_rows("model.embed_tokens.weight"))
         assign(self.norm, "weight", take("model.norm.weight"))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            assign(self.lm_head, "weight", take("lm_head.weight"))
+            assign(self.lm_head, "weight", vocab_rows("lm_head.weight"))
+        # Column-parallel q/k/v and gate/up take this rank's output rows, row-parallel o/down its input columns.
+        q_rows = (layout.first_head * head_dim, layout.num_heads * head_dim)
+        kv_rows = (layout.first_kv_head * head_dim, layout.num_kv_heads * head_dim)
+        mlp_rows = (layout.rank * layout.intermediate_size, layout.intermediate_size)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [prefix + f"self_attn.{p}_proj" for p in "qkv"]
-            assign(attn.qkv_proj, "weight", torch.cat([take(p + ".weight") for p in qkv]))
+            qkv = [(prefix + f"self_attn.{p}_proj", rows) for p, rows in zip("qkv", (q_rows, kv_rows, kv_rows), strict=True)]
+            assign(attn.qkv_proj, "weight", torch.cat([take(p + ".weight", 0, *rows) for p, rows in qkv]))
             if attn.qkv_proj.bias is not None:
-                assign(attn.qkv_proj, "bias", torch.cat([take(p + ".bias") for p in qkv]))
-            assign(attn.o_proj, "weight", take(prefix + "self_attn.o_proj.weight"))
-            if attn.o_proj.bias is not None:
-                assign(attn.o_proj, "bias", take(prefix + "self_attn.o_proj.bias"))
-            gate_up = [take(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up")]
+                assign(attn.qkv_proj, "bias", torch.cat([take(p + ".bias", 0, *rows) for p, rows in qkv]))
+            assign(attn.o_proj, "weight", take(prefix + "self_attn.o_proj.weight", 1, *q_rows))
+            if attn.o_proj.bias is not None:  # added once: by rank 0 before the all-reduce
+                bias = take(prefix + "self_attn.o_proj.bias")
+                assign(attn.o_proj, "bias", bias if layout.rank == 0 else torch.zeros_like(bias))
+            gate_up = [take(prefix + f"mlp.{p}_proj.weight", 0, *mlp_rows) for p in ("gate", "up")]
             assign(mlp.gate_up_proj, "weight", torch.cat(gate_up))
-            assign(mlp.down_proj, "weight", take(prefix + "mlp.down_proj.weight"))
+            assign(mlp.down_proj, "weight", take(prefix + "mlp.down_proj.weight", 1, *mlp_rows))
             assign(layer.input_layernorm, "weight", take(prefix + "input_layernorm.weight"))
             assign(layer.post_attention_layernorm, "weight", take(prefix + "post_attention_layernorm.weight"))
         still_meta = [name for name, p in self.named_parameters() if p.is_meta]

@@ -91,11 +91,17 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, with SIGTERM/SIGINT starting a drain instead of closing the listener at once."""
 
     def __init__(
-        self, config: uvicorn.Config, lifecycle: Lifecycle, abort_all: Callable[[], Awaitable[None]]
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        abort_all: Callable[[], Awaitable[None]],
+        engine_failure: Callable[[], str | None] = lambda: None,
     ) -> None:
         super().__init__(config)
         self._lifecycle = lifecycle
         self._abort_all = abort_all
+        self._engine_failure = engine_failure
+        self.engine_failed = False  # the server exits because its engine died: the process exits non-zero
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
         self._drain_task: asyncio.Task | None = None
@@ -103,6 +109,16 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn calls this every 0.1 s; an engine that died (a crashed engine thread, a dead tensor-parallel
+        # worker) can serve nothing: turn unready and exit, so a supervisor restarts the server.
+        if not self.engine_failed and self.started and (failure := self._engine_failure()) is not None:
+            logger.error("the engine failed (%s): exiting", failure)
+            self.engine_failed = True
+            self._lifecycle.ready = False
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's handler re-raises captured signals after shutdown, which would make the exit
