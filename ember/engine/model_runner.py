@@ -19,7 +19,7 @@ from ember.kernels.native import load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
 from ember.models import build_model
-from ember.models.config import ModelConfig, cpu_supports_bfloat16
+from ember.models.config import ModelConfig, onednn_supports_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ModelRunner:
                 module.native = self.native
         if self.native is not None and self.native.gemm_name is not None:
             pack_gemm_weights(self.model, self.native)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and onednn_supports_bfloat16():
             pack_linear_weights(self.model)
 
         self.num_blocks = num_kv_blocks(config, self.block_size, self.dtype, self.device, args.kv_cache_memory,
