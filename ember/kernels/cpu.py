@@ -86,3 +86,16 @@ def auto_cpu_dtype(flags: frozenset[str] | set[str]) -> tuple[str, str]:
     if level == "avx512":
         return "float32", "the CPU has AVX-512 without AVX512-BF16: bfloat16 would be emulated"
     return "float32", f"the CPU has no native bfloat16 (ISA level {level})"
+
+
+def kernel_level(setting: str, cpu_level: str) -> str:
+    """The level `--kernels setting` builds the native kernels for: the CPU's own for auto and native, else
+    the forced level, which must not exceed the CPU's ("torch" has none: "none")."""
+    if setting == "torch":
+        return "none"
+    if setting in ("auto", "native"):
+        return cpu_level
+    if not level_at_least(cpu_level, setting):
+        raise ValueError(f"--kernels {setting} needs a CPU with {setting}, but this CPU's level is {cpu_level} "
+                         f"(levels: {', '.join(ISA_LEVELS[1:])})")
+    return setting

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import platform
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,12 +23,14 @@ import torch
 
 from ember.errors import EmberError
 from ember.kernels.build import KernelBuildError, load_kernel
+from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
 
 logger = logging.getLogger(__name__)
 
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ANY_ROWS = sys.maxsize
-# kernel name -> (library, the most rows it is used for, the multiple of K it needs). amx_gemm.c takes every
+# kernel name (the ISA level it needs) -> (library, the most rows it is used for, the multiple of K it needs).
+# Tried in this order. amx_gemm.c takes every
 # Linear: in the engine it beats oneDNN's GEMM on pre-packed weights from 1 row (decode steps) to 1024
 # (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
@@ -44,13 +45,15 @@ def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
 
 
 class NativeKernels:
-    """The kernels for one model shape. `gemm`: a name of NATIVE_GEMMS, or "auto" for the first the CPU
-    supports; `gemm_name` is None (and `gemm_max_rows` 0) when none is."""
+    """The kernels for one model shape, built for ISA `level` (ember/kernels/cpu.py; at least "avx512").
+    `gemm`: a name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports;
+    `gemm_name` is None (and `gemm_max_rows` 0) when none is."""
 
-    def __init__(self, head_dim: int, queries_per_kv: int, gemm: str = "auto") -> None:
+    def __init__(self, head_dim: int, queries_per_kv: int, level: str, gemm: str = "auto") -> None:
+        self.level = level
         shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
-        attention = load_kernel("paged_decode_attention.c", shape)
-        fused = load_kernel("fused_ops.c", ())
+        attention = load_kernel("paged_decode_attention.c", shape, level)
+        fused = load_kernel("fused_ops.c", (), level)
         self._decode = _bind(attention, "paged_decode_attention", _pointer, _int64, _pointer, _pointer, _int64,
                              _pointer, _pointer, _int, _int, _int, _float, _int)
         self._add_rms_norm = _bind(fused, "add_rms_norm", _pointer, _pointer, _pointer, _pointer, _int64, _int64,
@@ -61,9 +64,9 @@ class NativeKernels:
                                        _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
         self.gemm_max_rows = 0
-        for name in NATIVE_GEMMS if gemm == "auto" else (gemm,):
+        for name in [name for name in NATIVE_GEMMS if gemm in ("auto", name) and level_at_least(level, name)]:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
-            library = load_kernel(source, ())
+            library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
                 self.gemm_name, self.gemm_max_rows = name, max_rows
                 self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
@@ -73,12 +76,12 @@ class NativeKernels:
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
         self.has_prefill_attention = False
         if self.gemm_name == "amx":
-            prefill = load_kernel("paged_prefill_attention.c", shape)
+            prefill = load_kernel("paged_prefill_attention.c", shape, level)
             self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
             self._prefill = _bind(prefill, "paged_prefill_attention", _pointer, _int64, _pointer, _pointer, _int64,
                                   _pointer, _pointer, _pointer, _int, _int, _int, _float, _int)
         if self.has_decoder_stack:
-            stack = load_kernel("decoder_stack.c", shape)
+            stack = load_kernel("decoder_stack.c", shape, level)
             self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 12, _int,
                                         _int, _pointer, _int64, _pointer, _int, _pointer, _int64, _pointer,
                                         _pointer, *(_int,) * 5, _float, _float, _int)
@@ -272,30 +275,35 @@ def load_native_kernels(
     head_dim: int,
     queries_per_kv: int,
 ) -> NativeKernels | None:
-    """The kernels for `setting` "native" (an error if they cannot run here) or "auto" (None, logged, if they
-    cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will see."""
+    """The kernels for `setting` "native" or an ISA level (an error if they cannot run here) or "auto" (None,
+    logged, if they cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will
+    see."""
     if setting == "torch":
         return None
-    reason = _unsupported_reason(device, dtype, widths, head_dim)
+    try:
+        level = kernel_level(setting, cpu_isa_level())
+    except ValueError as exc:
+        raise EmberError(str(exc)) from None
+    reason = _unsupported_reason(device, dtype, widths, head_dim, level)
     if reason is None:
         try:
-            return NativeKernels(head_dim, queries_per_kv)
+            return NativeKernels(head_dim, queries_per_kv, level)
         except KernelBuildError as exc:
             reason = str(exc)
-    if setting == "native":
+    if setting != "auto":
         raise EmberError(f"native kernels cannot run here: {reason}")
     logger.info("kernels: torch (native kernels unavailable: %s)", reason)
     return None
 
 
-def _unsupported_reason(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], head_dim: int) -> str | None:
+def _unsupported_reason(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], head_dim: int,
+                        level: str) -> str | None:
     if device.type != "cpu":
         return f"they are CPU kernels and the device is {device}"
     if dtype != torch.bfloat16:
         return f"they are bfloat16 kernels and the dtype is {dtype}"
     if head_dim % 32 or any(width % 16 for width in widths):
         return f"head_dim {head_dim} is not a multiple of 32 or a layer width of {widths} not one of 16"
-    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.cpu.get_cpu_capability(
-    ).startswith("AVX512"):
-        return "the CPU lacks AVX-512"
+    if not level_at_least(level, "avx512"):
+        return f"they need AVX-512 and the ISA level is {level}"
     return None
