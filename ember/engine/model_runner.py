@@ -15,11 +15,11 @@ from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
-from ember.kernels.native import load_native_kernels
+from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
 from ember.models import build_model
-from ember.models.config import ModelConfig, onednn_supports_bfloat16
+from ember.models.config import ModelConfig, dtype_reason, onednn_supports_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,15 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(self.device, args.seed, self.native)
-        logger.info("model runner: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
-                    self.dtype, self.device, self.num_blocks, self.block_size,
+        self.dtype_reason = dtype_reason(args.dtype, self.device)
+        self.kernel_level = self.native.level if self.native is not None else "none"
+        self.kernel_paths = kernel_paths(self.native)
+        logger.info("model runner: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+                    self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
-                    "native" if self.native else "torch")
+                    f"native, ISA level {self.kernel_level}" if self.native else "torch")
+        for part, path in self.kernel_paths.items():
+            logger.info("kernel path: %s = %s", part, path)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

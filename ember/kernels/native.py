@@ -262,6 +262,28 @@ class DecoderStackShape:
     eps: float
 
 
+KERNEL_PARTS = ("gemm", "attention_decode", "attention_prefill", "fused_ops", "decoder_stack")
+
+
+def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
+    """Which code runs each part of a step, by KERNEL_PARTS: "native_<ISA the kernel is written for>" or
+    "torch" ("off" for the decoder stack, whose parts then run one by one)."""
+    if native is None:
+        return {**dict.fromkeys(KERNEL_PARTS, "torch"), "decoder_stack": "off"}
+    gemm = "torch"
+    if native.gemm_name is not None:
+        gemm = f"native_{native.gemm_name}"
+        if native.gemm_max_rows < ANY_ROWS:
+            gemm += f" (up to {native.gemm_max_rows} rows, else torch)"
+    return {
+        "gemm": gemm,
+        "attention_decode": "native_avx512",
+        "attention_prefill": "native_amx" if native.has_prefill_attention else "torch",
+        "fused_ops": "native_avx512",
+        "decoder_stack": "native_amx" if native.has_decoder_stack else "off",
+    }
+
+
 def _check(condition: bool, kernel: str) -> None:
     if not condition:
         raise ValueError(f"native {kernel} needs contiguous inputs")

@@ -54,6 +54,15 @@ def auto_cpu_dtype_choice() -> tuple[torch.dtype, str]:
     return torch.float32, "not an x86-64 CPU with native bfloat16"
 
 
+def dtype_reason(requested: str | torch.dtype, device: str | torch.device = "cpu") -> str:
+    """Why `requested` resolves as it does on `device` (logged at start and reported by the server)."""
+    if requested != "auto":
+        return f"set by --dtype {str(requested).removeprefix('torch.')}"
+    if torch.device(device).type == "cpu":
+        return auto_cpu_dtype_choice()[1]
+    return f"auto on {device}"
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """Turn `auto` / a dtype name into a torch.dtype for `device`; float16 on CPU is refused."""
     device_type = torch.device(device).type
