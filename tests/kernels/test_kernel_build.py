@@ -16,10 +16,11 @@ from ember.kernels.native import load_native_kernels
 CPU = torch.device("cpu")
 
 
-def test_float32_never_gets_native_kernels() -> None:
-    assert load_native_kernels("auto", CPU, torch.float32, (576, 1536), 64, 3) is None
-    with pytest.raises(EmberError, match="bfloat16"):
-        load_native_kernels("native", CPU, torch.float32, (576, 1536), 64, 3)
+def test_dtypes_without_kernels_fall_back() -> None:
+    # float32 has native kernels since issue 14 (tests/kernels/test_float32_kernels.py); float16 has none.
+    assert load_native_kernels("auto", CPU, torch.float16, (576, 1536), 64, 3) is None
+    with pytest.raises(EmberError, match="they are bfloat16 and float32 kernels and the dtype is torch.float16"):
+        load_native_kernels("native", CPU, torch.float16, (576, 1536), 64, 3)
     assert load_native_kernels("torch", CPU, torch.bfloat16, (576, 1536), 64, 3) is None
 
 
@@ -70,7 +71,7 @@ def test_forced_lower_level_drops_the_kernels_it_lacks() -> None:
     kernels = load_native_kernels("avx512", CPU, torch.bfloat16, (576, 1536), 64, 3)
     assert kernels.level == "avx512"
     assert kernels.gemm_name is None and not kernels.has_prefill_attention and not kernels.has_decoder_stack
-    with pytest.raises(EmberError, match="they need AVX-512 and the ISA level is avx2"):
+    with pytest.raises(EmberError, match="the bfloat16 kernels need AVX-512 and the ISA level is avx2"):
         load_native_kernels("avx2", CPU, torch.bfloat16, (576, 1536), 64, 3)
 
 
