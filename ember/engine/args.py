@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from ember.engine.resources import DEFAULT_MAX_MODEL_LEN_CAP
 from ember.errors import EmberError
 from ember.kernels import KERNEL_CHOICES
+from ember.kernels.cpu import cpu_isa_level, kernel_level
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -90,7 +92,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: os.cpu_count()
-    kernels: str = "auto"  # auto: ember's native CPU kernels where they can run, else torch ops
+    # auto: ember's native CPU kernels where they can run, else torch ops; an ISA level forces that level's.
+    # EMBER_KERNELS sets the default (tests run every path the machine can).
+    kernels: str = field(default_factory=lambda: os.environ.get("EMBER_KERNELS", "auto"))
     seed: int = 0
     # Speculative decoding; a dict or JSON object is turned into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -117,6 +121,10 @@ class EngineArgs:
                              f"got {self.tensor_parallel_all_reduce!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise EmberError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        try:
+            kernel_level(self.kernels, cpu_isa_level())
+        except ValueError as exc:
+            raise EmberError(str(exc)) from None
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
@@ -168,8 +176,10 @@ class EngineArgs:
         group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_CHOICES,
                            help="native = ember's C kernels for bfloat16 on x86-64 CPUs with AVX-512 (paged decode "
                                 "attention, fused RMSNorm/RoPE/SiLU; built once with the system C compiler into "
-                                "~/.cache/ember), torch = PyTorch ops only, auto = native where it can run "
-                                "(default)")
+                                "~/.cache/ember) at the CPU's ISA level, torch = PyTorch ops only, auto = native "
+                                "where it can run, amx/avx512_bf16/avx512/avx2 = the kernels of that ISA level "
+                                "even where the CPU offers more (an error above the CPU's); default: "
+                                "$EMBER_KERNELS or auto")
         group.add_argument("--seed", type=int, default=defaults.seed,
                            help="seed of the global sampling generator (default: %(default)s)")
         group.add_argument("--speculative-config", default=None, metavar="JSON",

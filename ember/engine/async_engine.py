@@ -31,6 +31,7 @@ class AsyncEngine:
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
         self.source = engine.source  # where the model was loaded from
+        self.runner = engine.runner  # read-only here: its dtype and kernel paths, for reporting
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wakeup = threading.Condition()

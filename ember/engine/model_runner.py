@@ -22,11 +22,11 @@ from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
-from ember.kernels.native import load_native_kernels
+from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
 from ember.models import build_model
-from ember.models.config import ModelConfig, cpu_supports_bfloat16
+from ember.models.config import ModelConfig, dtype_reason, onednn_supports_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ModelRunner:
                 module.native = self.native
         if self.native is not None and self.native.gemm_name is not None:
             pack_gemm_weights(self.model, self.native)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_supports_bfloat16():
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and onednn_supports_bfloat16():
             pack_linear_weights(self.model)
 
         self.num_blocks = num_kv_blocks(config, self.block_size, self.dtype, self.device, args.kv_cache_memory,
@@ -80,11 +80,16 @@ class ModelRunner:
         self.sampler = Sampler(self.device, args.seed, self.native)
         # One thread: the step's grammar masks are filled in order, overlapping the step's forward.
         self.mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-grammar-mask")
-        logger.info("model runner%s: %s on %s, %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+        self.dtype_reason = dtype_reason(args.dtype, self.device)
+        self.kernel_level = self.native.level if self.native is not None else "none"
+        self.kernel_paths = kernel_paths(self.native)
+        logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
-                    self.dtype, self.device, self.num_blocks, self.block_size,
+                    self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
-                    "native" if self.native else "torch")
+                    f"native, ISA level {self.kernel_level}" if self.native else "torch")
+        for part, path in self.kernel_paths.items():
+            logger.info("kernel path: %s = %s", part, path)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -12,10 +12,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ember.kernels.cpu import compile_flags, cpu_isa_level
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 
 
 class KernelBuildError(RuntimeError):
@@ -34,22 +36,24 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def load_kernel(source_name: str, defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
-    """The library built from SOURCE_DIR/source_name with -D<name>=<value> for each of `defines`.
+def load_kernel(source_name: str, defines: tuple[tuple[str, int], ...], level: str) -> ctypes.CDLL:
+    """The library built from SOURCE_DIR/source_name with -D<name>=<value> for each of `defines`, for the ISA
+    `level` (ember/kernels/cpu.py; at most this CPU's).
 
     Raises KernelBuildError when there is no compiler, the build fails or the library cannot be loaded."""
     try:
-        return _build_and_load(source_name, defines)
+        return _build_and_load(source_name, defines, compile_flags(level, cpu_isa_level()))
     except OSError as exc:  # unwritable cache, missing compiler pieces, a library the loader refuses
         raise KernelBuildError(f"{source_name}: {exc}") from exc
 
 
-def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
+def _build_and_load(source_name: str, defines: tuple[tuple[str, int], ...], isa_flags: tuple[str, ...]
+                    ) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
     source = SOURCE_DIR / source_name
-    flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
+    flags = [*COMPILE_FLAGS, *isa_flags, *(f"-D{name}={value}" for name, value in defines)]
     key = hashlib.sha256()
     # Every source of the folder: a kernel includes headers and may include other kernels (decoder_stack.c).
     sources = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]"))]
@@ -77,7 +81,7 @@ def _compiler_identity(cc: str) -> bytes:
 
 @functools.cache
 def _cpu_identity() -> bytes:
-    # -march=native builds for this CPU: a cache shared by different machines must not mix their builds.
+    # -march=native and -mtune=native build for this CPU: a cache shared by different machines must not mix their builds.
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

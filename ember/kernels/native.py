@@ -1,4 +1,5 @@
-"""ember's C kernels for one model shape (x86-64 CPUs with AVX-512, bfloat16), called on torch tensors.
+"""ember's C kernels for one model shape (x86-64 CPUs; bfloat16 with AVX-512, float32 with AVX-512 or AVX2),
+called on torch tensors.
 
 - paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
   single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
@@ -7,6 +8,8 @@
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
 - decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back.
+- paged_attention_f32.c, fused_ops_f32.c: decode and prompt-chunk attention and the fused ops for float32,
+  on AVX-512 or AVX2 + FMA vectors (f32_simd.h); float32's GEMMs stay oneDNN's.
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import platform
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,16 +26,24 @@ import torch
 
 from ember.errors import EmberError
 from ember.kernels.build import KernelBuildError, load_kernel
+from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
 
 logger = logging.getLogger(__name__)
 
 _pointer, _int64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ANY_ROWS = sys.maxsize
-# kernel name -> (library, the most rows it is used for, the multiple of K it needs). amx_gemm.c takes every
+# kernel name (the ISA level it needs) -> (library, the most rows it is used for, the multiple of K it needs).
+# Tried in this order. amx_gemm.c takes every
 # Linear: in the engine it beats oneDNN's GEMM on pre-packed weights from 1 row (decode steps) to 1024
 # (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
+
+
+# paged_prefill_attention(q, q_row_stride, cache, block_tables, max_blocks, query_starts, context_lens, out,
+# num_seqs, num_kv_heads, block_size, scale, num_threads), in both dtypes.
+_PREFILL_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _int64, _pointer, _pointer, _pointer, _int, _int, _int,
+                     _float, _int)
 
 
 def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
@@ -44,26 +54,45 @@ def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
 
 
 class NativeKernels:
-    """The kernels for one model shape. `gemm`: a name of NATIVE_GEMMS, or "auto" for the first the CPU
-    supports; `gemm_name` is None (and `gemm_max_rows` 0) when none is."""
+    """The kernels for one model shape and `dtype` (bfloat16 or float32), built for ISA `level`
+    (ember/kernels/cpu.py; at least "avx512" for bfloat16, "avx2" for float32).
 
-    def __init__(self, head_dim: int, queries_per_kv: int, gemm: str = "auto") -> None:
+    float32 has decode and prompt-chunk attention and the fused ops, on AVX-512 or AVX2 vectors
+    (`vector_isa`); its GEMMs stay PyTorch's (oneDNN float32). bfloat16 adds the native GEMM: `gemm`, a name of
+    NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is None (and
+    `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
+
+    def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
+                 gemm: str = "auto") -> None:
+        self.level, self.dtype = level, dtype
+        self.vector_isa = "avx512" if level_at_least(level, "avx512") else "avx2"
         shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
-        attention = load_kernel("paged_decode_attention.c", shape)
-        fused = load_kernel("fused_ops.c", ())
-        self._decode = _bind(attention, "paged_decode_attention", _pointer, _int64, _pointer, _pointer, _int64,
-                             _pointer, _pointer, _int, _int, _int, _float, _int)
-        self._add_rms_norm = _bind(fused, "add_rms_norm", _pointer, _pointer, _pointer, _pointer, _int64, _int64,
-                                   _float, _int)
-        self._silu_and_mul = _bind(fused, "silu_and_mul", _pointer, _pointer, _int64, _int64, _int)
-        self._argmax = _bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
-        self._rotary_and_cache = _bind(fused, "rotary_and_cache", _pointer, _pointer, _pointer, _pointer,
+        float32 = dtype == torch.float32
+        suffix = "_f32" if float32 else ""
+        attention = load_kernel("paged_attention_f32.c" if float32 else "paged_decode_attention.c", shape, level)
+        fused = load_kernel(f"fused_ops{suffix}.c", (), level)
+        self._decode = _bind(attention, f"paged_decode_attention{suffix}", _pointer, _int64, _pointer, _pointer,
+                             _int64, _pointer, _pointer, _int, _int, _int, _float, _int)
+        self._add_rms_norm = _bind(fused, f"add_rms_norm{suffix}", _pointer, _pointer, _pointer, _pointer, _int64,
+                                   _int64, _float, _int)
+        self._silu_and_mul = _bind(fused, f"silu_and_mul{suffix}", _pointer, _pointer, _int64, _int64, _int)
+        self._rotary_and_cache = _bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
         self.gemm_max_rows = 0
-        for name in NATIVE_GEMMS if gemm == "auto" else (gemm,):
+        self.has_decoder_stack = self.has_prefill_attention = False
+        if float32:
+            self.has_prefill_attention = True
+            self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
+        else:
+            self._bind_bfloat16_only(fused, shape, level, gemm)
+
+    def _bind_bfloat16_only(self, fused: ctypes.CDLL, shape: tuple[tuple[str, int], ...], level: str,
+                            gemm: str) -> None:
+        self._argmax = _bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
+        for name in [name for name in NATIVE_GEMMS if gemm in ("auto", name) and level_at_least(level, name)]:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
-            library = load_kernel(source, ())
+            library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
                 self.gemm_name, self.gemm_max_rows = name, max_rows
                 self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
@@ -71,14 +100,12 @@ class NativeKernels:
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
-        self.has_prefill_attention = False
         if self.gemm_name == "amx":
-            prefill = load_kernel("paged_prefill_attention.c", shape)
+            prefill = load_kernel("paged_prefill_attention.c", shape, level)
             self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
-            self._prefill = _bind(prefill, "paged_prefill_attention", _pointer, _int64, _pointer, _pointer, _int64,
-                                  _pointer, _pointer, _pointer, _int, _int, _int, _float, _int)
+            self._prefill = _bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
-            stack = load_kernel("decoder_stack.c", shape)
+            stack = load_kernel("decoder_stack.c", shape, level)
             self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 12, _int,
                                         _int, _pointer, _int64, _pointer, _int, _pointer, _int64, _pointer,
                                         _pointer, *(_int,) * 5, _float, _float, _int)
@@ -259,6 +286,32 @@ class DecoderStackShape:
     eps: float
 
 
+KERNEL_PARTS = ("gemm", "attention_decode", "attention_prefill", "fused_ops", "decoder_stack")
+
+
+def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
+    """Which code runs each part of a step, by KERNEL_PARTS: "native_<ISA the kernel is written for>" or
+    "torch" ("off" for the decoder stack, whose parts then run one by one)."""
+    if native is None:
+        return {**dict.fromkeys(KERNEL_PARTS, "torch"), "decoder_stack": "off"}
+    vector = f"native_{native.vector_isa}"
+    gemm = "torch"
+    if native.gemm_name is not None:
+        gemm = f"native_{native.gemm_name}"
+        if native.gemm_max_rows < ANY_ROWS:
+            gemm += f" (up to {native.gemm_max_rows} rows, else torch)"
+    prefill = "torch"
+    if native.has_prefill_attention:
+        prefill = vector if native.dtype == torch.float32 else "native_amx"
+    return {
+        "gemm": gemm,
+        "attention_decode": vector,
+        "attention_prefill": prefill,
+        "fused_ops": vector,
+        "decoder_stack": "native_amx" if native.has_decoder_stack else "off",
+    }
+
+
 def _check(condition: bool, kernel: str) -> None:
     if not condition:
         raise ValueError(f"native {kernel} needs contiguous inputs")
@@ -272,30 +325,37 @@ def load_native_kernels(
     head_dim: int,
     queries_per_kv: int,
 ) -> NativeKernels | None:
-    """The kernels for `setting` "native" (an error if they cannot run here) or "auto" (None, logged, if they
-    cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will see."""
+    """The kernels for `setting` "native" or an ISA level (an error if they cannot run here) or "auto" (None,
+    logged, if they cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will
+    see."""
     if setting == "torch":
         return None
-    reason = _unsupported_reason(device, dtype, widths, head_dim)
+    try:
+        level = kernel_level(setting, cpu_isa_level())
+    except ValueError as exc:
+        raise EmberError(str(exc)) from None
+    reason = _unsupported_reason(device, dtype, widths, head_dim, level)
     if reason is None:
         try:
-            return NativeKernels(head_dim, queries_per_kv)
+            return NativeKernels(head_dim, queries_per_kv, level, dtype)
         except KernelBuildError as exc:
             reason = str(exc)
-    if setting == "native":
+    if setting != "auto":
         raise EmberError(f"native kernels cannot run here: {reason}")
     logger.info("kernels: torch (native kernels unavailable: %s)", reason)
     return None
 
 
-def _unsupported_reason(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], head_dim: int) -> str | None:
+def _unsupported_reason(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], head_dim: int,
+                        level: str) -> str | None:
     if device.type != "cpu":
         return f"they are CPU kernels and the device is {device}"
-    if dtype != torch.bfloat16:
-        return f"they are bfloat16 kernels and the dtype is {dtype}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"they are bfloat16 and float32 kernels and the dtype is {dtype}"
     if head_dim % 32 or any(width % 16 for width in widths):
         return f"head_dim {head_dim} is not a multiple of 32 or a layer width of {widths} not one of 16"
-    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.cpu.get_cpu_capability(
-    ).startswith("AVX512"):
-        return "the CPU lacks AVX-512"
+    if dtype == torch.bfloat16 and not level_at_least(level, "avx512"):
+        return f"the bfloat16 kernels need AVX-512 and the ISA level is {level}"
+    if not level_at_least(level, "avx2"):
+        return f"the float32 kernels need AVX2 and FMA and the ISA level is {level}"
     return None

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ember.errors import ModelLoadError
+from ember.kernels.cpu import auto_cpu_dtype, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,35 @@ def cpu_supports_bfloat16() -> bool:
     """True when this CPU computes bfloat16 natively (AVX512-BF16/AMX on x86, BF16 on Arm).
 
     Without it PyTorch emulates bfloat16 matmuls, which is several times slower than float32."""
+    return auto_cpu_dtype_choice()[0] == torch.bfloat16
+
+
+def onednn_supports_bfloat16() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU at all (it emulates it on AVX-512 without AVX512-BF16)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def auto_cpu_dtype_choice() -> tuple[torch.dtype, str]:
+    """The dtype `--dtype auto` picks on this CPU, and why. x86-64 decides by its flags (ember/kernels/cpu.py):
+    torch's own check only looks for AVX-512, which emulates bfloat16 on Ice Lake and older."""
+    if cpu_flags():
+        name, reason = auto_cpu_dtype(cpu_flags())
+        return _DTYPE_NAMES[name], reason
+    if onednn_supports_bfloat16():
+        return torch.bfloat16, "not an x86-64 CPU, and oneDNN reports native bfloat16"
+    return torch.float32, "not an x86-64 CPU with native bfloat16"
+
+
+def dtype_reason(requested: str | torch.dtype, device: str | torch.device = "cpu") -> str:
+    """Why `requested` resolves as it does on `device` (logged at start and reported by the server)."""
+    if requested != "auto":
+        return f"set by --dtype {str(requested).removeprefix('torch.')}"
+    if torch.device(device).type == "cpu":
+        return auto_cpu_dtype_choice()[1]
+    return f"auto on {device}"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -44,7 +70,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
         resolved = dtype
     elif dtype == "auto":
         if device_type == "cpu":
-            return torch.bfloat16 if cpu_supports_bfloat16() else torch.float32
+            chosen, reason = auto_cpu_dtype_choice()
+            logger.info("dtype auto: %s, as %s", str(chosen).removeprefix("torch."), reason)
+            return chosen
         if device_type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return torch.float16  # pre-Ampere GPUs
         return torch.bfloat16

@@ -22,6 +22,7 @@ from ember.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmberModelInfo,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -39,7 +40,10 @@ JSON_POST_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app. Starting it (lifespan) starts the engine thread; stopping it stops the engine."""
     lifecycle = Lifecycle(settings.drain_timeout)
-    metrics = ServerMetrics(settings.served_model_names[0], engine.stats)
+    runner = engine.runner
+    metrics = ServerMetrics(settings.served_model_names[0], engine.stats, runner.kernel_paths)
+    ember_info = EmberModelInfo(dtype=str(runner.dtype).removeprefix("torch."), dtype_reason=runner.dtype_reason,
+                                kernel_level=runner.kernel_level, kernels=runner.kernel_paths)
     admission = AdmissionController(
         settings.max_queued_requests, settings.max_queued_tokens, settings.retry_after_s
     )
@@ -80,7 +84,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [
-            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len)
+            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len,
+                      ember=ember_info)
             for name in settings.served_model_names
         ]
         return json_response(ModelList(data=cards))

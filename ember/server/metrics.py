@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import prometheus_client
@@ -108,9 +108,10 @@ prometheus_client.disable_created_metrics()  # as vLLM: `_created` series only a
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, engine_stats: Callable[[], Any], kernel_paths: Mapping[str, str]) -> None:
         self.model_name = model_name
         self._engine_stats = engine_stats
+        self._kernel_paths = dict(kernel_paths)
         self._families = CollectorRegistry(auto_describe=False)  # the `ember:` originals
         labels = ["model_name"]
 
@@ -262,6 +263,14 @@ class ServerMetrics:
         )
         lora.add_metric(["0", "", ""], time.time())
         yield lora
+        paths = GaugeMetricFamily(
+            "ember:kernel_path_info",
+            "The code each part of a step runs on (native_<ISA> kernels or torch), as logged at start.",
+            labels=["model_name", "part", "path"],
+        )
+        for part, path in self._kernel_paths.items():
+            paths.add_metric([self.model_name, part, path], 1)
+        yield paths
 
 
 class LoopHistogram:

@@ -386,6 +386,16 @@ class CompletionChunk(BaseModel):
 # ---- other endpoints ---------------------------------------------------------------------------------
 
 
+class EmberModelInfo(BaseModel):
+    """How Ember runs the model here: the dtype and why, and the code each part of a step runs on
+    (ember/kernels/native.py's kernel_paths)."""
+
+    dtype: str
+    dtype_reason: str
+    kernel_level: str  # the ISA level the native kernels were built for; "none" without them
+    kernels: dict[str, str]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -394,6 +404,7 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None
     max_model_len: int
+    ember: EmberModelInfo
 
 
 class ModelList(BaseModel):

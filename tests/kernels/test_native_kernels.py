@@ -156,7 +156,7 @@ def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, 
                          + [("amx", rows) for rows in (1, 7, 16, 17, 32, 45, 64, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int, with_bias: bool) -> None:
-    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm=gemm)  # `native` only skips CPUs without AVX-512
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, native.level, gemm=gemm)  # `native` only skips CPUs without AVX-512
     if kernels.gemm_name is None:
         pytest.skip(f"the CPU (or its kernel) lacks {gemm}")
     torch.manual_seed(4 + rows)
@@ -176,7 +176,7 @@ def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int,
 
 
 def test_amx_gemm_needs_k_in_tiles(native: NativeKernels) -> None:
-    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, gemm="amx")
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, native.level, gemm="amx")
     if kernels.gemm_name is None:
         pytest.skip("the CPU lacks AMX")
     assert kernels.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles

@@ -1,0 +1,72 @@
+// fused_ops.c's residual add + RMSNorm, SiLU-and-mul and RoPE + KV-cache write for float32, on AVX-512 or
+// AVX2 + FMA vectors (f32_simd.h; widths are multiples of 16). No intermediate rounding: the results differ
+// from PyTorch's float32 ops only in the order of sums and in exp's last bits.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "f32_simd.h"
+
+// Split rows across threads only when there is enough work to pay for waking them.
+#define PARALLEL_MIN_ELEMENTS 32768
+
+// residual = x + residual (in place; skipped when residual is x itself), out = rms_norm(residual) * weight.
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                      int64_t width, float eps, int num_threads) {
+    const int add = x != residual;
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        float *res = residual + row * width;
+        const float *in = x + row * width;
+        vfloat squares = vzero();
+        for (int64_t i = 0; i < width; i += LANES) {
+            vfloat h = vload(res + i);
+            if (add) {
+                h = vadd(vload(in + i), h);
+                vstore(res + i, h);
+            }
+            squares = vfmadd(h, h, squares);
+        }
+        const vfloat scale = vset1(1.0f / sqrtf(vsum(squares) / width + eps));
+        for (int64_t i = 0; i < width; i += LANES)
+            vstore(out + row * width + i, vmul(vmul(vload(res + i), scale), vload(weight + i)));
+    }
+}
+
+// out = silu(gate) * up for gate_up rows [gate (width), up (width)].
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        const float *gate = gate_up + row * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i += LANES) {
+            vfloat g = vload(gate + i);
+            vfloat silu = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
+            vstore(out + row * width + i, vmul(silu, vload(up + i)));
+        }
+    }
+}
+
+// Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, as apply_rotary)
+// and writes the row's k and v into its KV-cache slot ([slot, 2 (K, V), num_kv_heads, head_dim]).
+void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
+                          float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                          int num_threads) {
+    const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        float *x = qkv + row * row_width;
+        const float *c = cos + row * head_dim, *s = sin_signed + row * head_dim;
+        float rotated[head_dim];
+        for (int head = 0; head < num_heads + num_kv_heads; head++) {
+            float *h = x + head * head_dim;
+            for (int i = 0; i < head_dim; i += LANES)
+                vstore(rotated + i, vfmadd(vload(h + (i + half) % head_dim), vload(s + i),
+                                           vmul(vload(h + i), vload(c + i))));
+            memcpy(h, rotated, sizeof(float) * head_dim);
+        }
+        // k then v: one contiguous run in qkv and in the slot.
+        memcpy(cache + slots[row] * 2 * kv_width, x + (int64_t)num_heads * head_dim, sizeof(float) * 2 * kv_width);
+    }
+}

@@ -1,0 +1,60 @@
+"""Greedy decoding in float32 on ember's native float32 kernels, forced to each ISA level this CPU can run,
+against the same engine on PyTorch ops only: token for token the same (float32 noise cannot flip a greedy
+choice here), with prompt chunks and decode steps mixed in one step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.kernels.build import compiler
+from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
+from tests.conftest import build_tiny_model_dir
+
+LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
+         "Write a poem about the sea.", "SELECT name FROM users WHERE"]
+
+
+def greedy_tokens(model: Path, kernels: str, max_tokens: int) -> list[list[int]]:
+    # A 32-token step budget splits the longer prompts into chunks that share steps with decodes.
+    llm = LLM(str(model), dtype="float32", kernels=kernels, num_threads=2, enable_prefix_caching=False,
+              max_num_seqs=4, max_num_batched_tokens=32)
+    paths = llm.engine.runner.kernel_paths
+    assert (paths["attention_decode"] == "torch") == (kernels == "torch")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [result.outputs[0].token_ids for result in llm.generate(TEXTS, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if compiler() is None or not LEVELS:
+        pytest.skip("the float32 kernels need a C compiler and AVX2")
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-f32"), seed=5, hidden_size=128,
+                                intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_32_dir: Path) -> list[list[int]]:
+    return greedy_tokens(tiny_32_dir, "torch", 40)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_tiny_model_greedy_is_token_exact(tiny_32_dir: Path, tiny_reference: list[list[int]], level: str) -> None:
+    assert greedy_tokens(tiny_32_dir, level, 40) == tiny_reference
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf_path: Path) -> list[list[int]]:
+    if compiler() is None or not LEVELS:
+        pytest.skip("the float32 kernels need a C compiler and AVX2")
+    return greedy_tokens(smollm2_gguf_path, "torch", 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_smollm2_greedy_is_token_exact(smollm2_gguf_path: Path, smollm2_reference: list[list[int]],
+                                       level: str) -> None:
+    assert greedy_tokens(smollm2_gguf_path, level, 24) == smollm2_reference

@@ -1,0 +1,100 @@
+"""ember's float32 kernels (paged_attention_f32.c, fused_ops_f32.c) against exact or PyTorch results, built
+for each ISA level this CPU can run: AVX2 + FMA vectors at "avx2", AVX-512 ones from "avx512" up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels.build import compiler
+from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
+from ember.kernels.native import NativeKernels, kernel_paths, load_native_kernels
+from ember.layers.attention import PagedAttention, SequenceSpan, build_attention_metadata
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from tests.kernels.test_native_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, scrambled_paged_cache
+
+CPU = torch.device("cpu")
+LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
+# float32 products summed in another order: a few float32 ulps of the largest magnitude involved.
+RELATIVE = 2e-6
+
+
+@pytest.fixture(scope="module", params=LEVELS or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
+def native(request: pytest.FixtureRequest) -> NativeKernels:
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    kernels = load_native_kernels(request.param, CPU, torch.float32, (576, 1536), HEAD_DIM, HEADS // KV_HEADS)
+    assert kernels.level == request.param and kernels.dtype == torch.float32
+    return kernels
+
+
+def test_paths_are_the_vector_width_of_the_level(native: NativeKernels) -> None:
+    vector = "native_avx512" if level_at_least(native.level, "avx512") else "native_avx2"
+    assert kernel_paths(native) == {"gemm": "torch", "attention_decode": vector, "attention_prefill": vector,
+                                    "fused_ops": vector, "decoder_stack": "off"}
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool((got.double() - expected.double()).abs().max() <= expected.abs().max() * RELATIVE)
+
+
+def test_add_rms_norm(native: NativeKernels) -> None:
+    torch.manual_seed(0)
+    weight = torch.rand(576) + 0.5
+    x, residual = torch.randn(37, 576), torch.randn(37, 576)
+    expected_residual = x + residual
+    expected = torch.nn.functional.rms_norm(expected_residual, (576,), weight, 1e-5)
+    out, new_residual = native.add_rms_norm(x, residual, weight, 1e-5)
+    assert new_residual.data_ptr() == residual.data_ptr() and torch.equal(new_residual, expected_residual)
+    assert close(out, expected)
+    first, first_residual = native.add_rms_norm(x, None, weight, 1e-5)
+    assert first_residual is x and close(first, torch.nn.functional.rms_norm(x, (576,), weight, 1e-5))
+
+
+def test_silu_and_mul(native: NativeKernels) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(45, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert close(native.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_rotary_and_cache(native: NativeKernels) -> None:
+    torch.manual_seed(2)
+    cos, sin = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None, torch.float32, CPU)(torch.randint(0, 4096, (21,)))
+    qkv = torch.randn(21, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    qk_size = (HEADS + KV_HEADS) * HEAD_DIM
+    expected_qk = apply_rotary(qkv[:, :qk_size].view(21, -1, HEAD_DIM), cos, sin).reshape(21, -1)
+    v = qkv[:, qk_size:].clone()
+    cache = torch.zeros(8, BLOCK, 2, KV_HEADS, HEAD_DIM)
+    slots = torch.randperm(8 * BLOCK)[:21]
+    native.rotary_and_cache(qkv, cos, sin, slots, cache, HEADS)
+    assert close(qkv[:, :qk_size], expected_qk) and torch.equal(qkv[:, qk_size:], v)
+    written = cache.view(-1, 2, KV_HEADS * HEAD_DIM)[slots]
+    assert torch.equal(written[:, 0], qkv[:, HEADS * HEAD_DIM : qk_size]) and torch.equal(written[:, 1], v)
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 1), (14, 1), (15, 1), (16, 1), (199, 1), (332, 1)],  # decodes: (tokens cached, 1 new)
+    [(0, 2), (0, 17), (5, 40), (33, 16), (100, 37), (190, 64)],  # prompt chunks
+])
+def test_paged_attention_matches_exact_attention(native: NativeKernels, chunks: list[tuple[int, int]]) -> None:
+    tables, cache = scrambled_paged_cache([cached + new for cached, new in chunks], seed=3)
+    cache = cache.float()
+    spans = [SequenceSpan(cached, new, table) for (cached, new), table in zip(chunks, tables, strict=True)]
+    qkv = torch.randn(sum(new for _, new in chunks), (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    q, k, v = qkv.split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=1)
+    q, k, v = q.view(-1, HEADS, HEAD_DIM), k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
+    meta = build_attention_metadata(spans, BLOCK, torch.float32, CPU, native)
+    assert [group.context_lens is not None for group in meta.groups] == [True]
+    out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q, k, v, cache, meta)
+    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    row = 0
+    for (cached, new), table in zip(chunks, tables, strict=True):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
+        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
+        for position in range(cached, cached + new):
+            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
+            exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
+            assert close(out[row], exact), (cached, new, position)
+            row += 1

@@ -1,0 +1,79 @@
+"""`ember serve` reports its dtype (and why) and the code each part of a step runs on: in its start log, in
+each /v1/models card's `ember` field and as `ember:kernel_path_info` on /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ember.kernels.build import compiler
+from ember.kernels.cpu import cpu_isa_level, level_at_least
+from ember.models.config import auto_cpu_dtype_choice
+from tests.conftest import build_tiny_model_dir
+
+TORCH_PATHS = {"gemm": "torch", "attention_decode": "torch", "attention_prefill": "torch", "fused_ops": "torch",
+               "decoder_stack": "off"}
+# A forced AVX-512 level: attention and fused ops native, the GEMMs (AMX or AVX512-BF16) and what needs AMX not.
+AVX512_PATHS = {"gemm": "torch", "attention_decode": "native_avx512", "attention_prefill": "torch",
+                "fused_ops": "native_avx512", "decoder_stack": "off"}
+
+
+def kernel_path_samples(server) -> dict[str, float]:
+    return {key: value for key, value in server.metrics().items() if key.startswith("ember:kernel_path_info")}
+
+
+def test_float32_on_torch_ops_is_reported(server, auth) -> None:
+    card = httpx.get(f"{server.url}/v1/models", headers=auth).json()["data"][0]
+    assert card["ember"] == {"dtype": "float32", "dtype_reason": "set by --dtype float32", "kernel_level": "none",
+                             "kernels": TORCH_PATHS}
+    assert kernel_path_samples(server) == {
+        f'ember:kernel_path_info{{model_name="tiny",part="{part}",path="{path}"}}': 1.0
+        for part, path in TORCH_PATHS.items()
+    }
+    assert "kernel path: attention_decode = torch" in server.log()
+
+
+@pytest.fixture(scope="module")
+def native_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 32-wide heads, the narrowest the native attention takes."""
+    if compiler() is None or not level_at_least(cpu_isa_level(), "avx512"):
+        pytest.skip("the native kernels need a C compiler and AVX-512")
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-32"), num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_forced_avx512_level_is_reported(launch_server, native_model_dir: Path) -> None:
+    server = launch_server(native_model_dir, "--dtype", "bfloat16", "--kernels", "avx512")
+    try:
+        card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+        assert card["ember"] == {"dtype": "bfloat16", "dtype_reason": "set by --dtype bfloat16",
+                                 "kernel_level": "avx512", "kernels": AVX512_PATHS}
+        assert kernel_path_samples(server) == {
+            f'ember:kernel_path_info{{model_name="tiny",part="{part}",path="{path}"}}': 1.0
+            for part, path in AVX512_PATHS.items()
+        }
+        completion = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4
+        log = server.log()
+        assert "native, ISA level avx512" in log and "kernel path: fused_ops = native_avx512" in log
+    finally:
+        server.stop()
+
+
+def test_auto_dtype_gives_its_reason(launch_server, native_model_dir: Path) -> None:
+    server = launch_server(native_model_dir, "--dtype", "auto")
+    try:
+        ember = httpx.get(f"{server.url}/v1/models").json()["data"][0]["ember"]
+    finally:
+        server.stop()
+    dtype, reason = auto_cpu_dtype_choice()
+    assert (ember["dtype"], ember["dtype_reason"]) == (str(dtype).removeprefix("torch."), reason)
+    assert f"dtype auto: {ember['dtype']}, as {reason}" in server.log()
+
+
+def test_a_level_without_kernels_for_the_dtype_stops_the_start(launch_server, native_model_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="native kernels cannot run here: the bfloat16 kernels need AVX-512 "
+                       "and the ISA level is avx2"):
+        launch_server(native_model_dir, "--dtype", "bfloat16", "--kernels", "avx2")
