@@ -63,7 +63,7 @@ def test_fleet_lists_models_and_replicas_with_their_state(replicas, start_gatewa
     assert {"waiting", "running", "kv_usage"} <= set(fleet["replicas"][0]["metrics"])
 
 
-def test_console_data_needs_the_admin_key(replicas, start_gateway):
+def test_console_data_needs_the_admin_key_but_the_page_does_not(replicas, start_gateway):
     gateway = start(start_gateway, replicas)
     for path in ("/admin/console/series", "/admin/console/fleet"):
         response = http.get(gateway.url + path)
@@ -72,6 +72,14 @@ def test_console_data_needs_the_admin_key(replicas, start_gateway):
         assert (response.status_code, response.json()["error"]["code"]) == (403, "endpoint_not_allowed")
     response = http.get(gateway.url + "/admin/console/series?since_s=0", headers=ADMIN)
     assert response.status_code == 400 and response.json()["error"]["param"] == "query.since_s"
+    page = http.get(gateway.url + "/console")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "http://" not in page.text and "https://" not in page.text  # nothing loaded from elsewhere
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    script = http.get(gateway.url + "/console/gateway.js")
+    assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
+    missing = http.get(gateway.url + "/console/secrets.txt")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url"
 
 
 def test_series_buckets_roll_over_and_keep_one_hour():

@@ -1,4 +1,4 @@
-"""The web console: `GET /console` (one static page, no external assets) and the admin-key-protected
+"""The gateway's web console: `GET /console` (ember.webui's gateway page) and the admin-key-protected
 data it polls:
 
     GET /admin/console/series[?since_s=3600]   the last hour's time series (ConsoleSeries)
@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from ember.gateway.admin import replica_state, require_admin
 from ember.gateway.console.series import WINDOW_S
 from ember.gateway.dispatch import Dispatcher
-
+from ember.webui import console_router
 
 
 def fleet_state(dispatcher: Dispatcher) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def build_console_router(dispatcher: Dispatcher) -> APIRouter:
     def admin_only(request: Request) -> None:
         require_admin(dispatcher, request.headers.get("authorization"))
 
-    router = APIRouter()
+    router = console_router("gateway.html")
 
     @router.get("/admin/console/series", dependencies=[Depends(admin_only)])
     async def series(since_s: float = Query(default=WINDOW_S, gt=0, le=WINDOW_S)) -> dict[str, Any]:
