@@ -56,11 +56,22 @@ function lineChart(container, title, points, series, unit) {
   add("text", { x: 2, y: y(0), "font-size": 10 }, "0");
   add("text", { x: left, y: height - 4, "font-size": 10 }, points.length ? new Date(t0 * 1000).toLocaleTimeString() : "no data yet");
   series.forEach((s, index) => {
+    const color = COLORS[index % COLORS.length];
     const coordinates = points
       .filter((p) => s.value(p) !== null && s.value(p) !== undefined)
-      .map((p) => `${x(p.t).toFixed(1)},${y(s.value(p)).toFixed(1)}`);
-    if (coordinates.length) {
-      add("polyline", { points: coordinates.join(" "), fill: "none", stroke: COLORS[index % COLORS.length], "stroke-width": 1.5, "data-series": s.name });
+      .map((p) => [x(p.t).toFixed(1), y(s.value(p)).toFixed(1)]);
+    if (!coordinates.length) return;
+    // A line through the buckets, and a dot on each: a lone bucket has no line to draw.
+    const group = add("g", { "data-series": s.name, fill: color, stroke: color });
+    const line = document.createElementNS(svgNS, "polyline");
+    line.setAttribute("points", coordinates.map((c) => c.join(",")).join(" "));
+    line.setAttribute("fill", "none");
+    line.setAttribute("stroke-width", 1.5);
+    group.append(line);
+    for (const [cx, cy] of coordinates) {
+      const dot = document.createElementNS(svgNS, "circle");
+      Object.entries({ cx, cy, r: 2 }).forEach(([name, value]) => dot.setAttribute(name, value));
+      group.append(dot);
     }
   });
   const legend = element("div", { class: "legend" });
