@@ -40,8 +40,10 @@ function lineChart(container, title, points, series, unit) {
   svg.setAttribute("class", "chart");
   const values = series.flatMap((s) => points.map(s.value)).filter((v) => v !== null && v !== undefined);
   const max = Math.max(...values, 0) || 1;
-  const t0 = points.length ? points[0].t : 0;
-  const t1 = points.length ? points[points.length - 1].t : 1;
+  // The x axis ends now and spans at least the last 5 minutes, so a fresh gateway's few buckets
+  // read as recent rather than filling the chart.
+  const t1 = Date.now() / 1000;
+  const t0 = Math.min(points.length ? points[0].t : t1, t1 - 300);
   const x = (t) => left + ((t - t0) / Math.max(t1 - t0, 1)) * (width - left - 4);
   const y = (v) => top + (1 - v / max) * (height - top - bottom);
   const add = (tag, attributes, text) => {
@@ -54,7 +56,8 @@ function lineChart(container, title, points, series, unit) {
   add("line", { x1: left, x2: width, y1: y(0), y2: y(0), stroke: "#999" });
   add("text", { x: 2, y: top + 8, "font-size": 10 }, formatNumber(max));
   add("text", { x: 2, y: y(0), "font-size": 10 }, "0");
-  add("text", { x: left, y: height - 4, "font-size": 10 }, points.length ? new Date(t0 * 1000).toLocaleTimeString() : "no data yet");
+  add("text", { x: left, y: height - 4, "font-size": 10 }, new Date(t0 * 1000).toLocaleTimeString());
+  add("text", { x: width - 4, y: height - 4, "font-size": 10, "text-anchor": "end" }, points.length ? "now" : "no data yet");
   series.forEach((s, index) => {
     const color = COLORS[index % COLORS.length];
     const coordinates = points
@@ -75,7 +78,11 @@ function lineChart(container, title, points, series, unit) {
     }
   });
   const legend = element("div", { class: "legend" });
-  series.forEach((s, index) => legend.append(element("span", { style: `color:${COLORS[index % COLORS.length]}` }, "■ " + s.name + " ")));
+  series.forEach((s, index) => {
+    const entry = element("span", {}, "■ " + s.name + " ");
+    entry.style.color = COLORS[index % COLORS.length]; // through the CSSOM: the CSP forbids style attributes
+    legend.append(entry);
+  });
   container.append(element("figure", { "data-chart": title }, element("figcaption", {}, `${title} (${unit})`), svg, legend));
 }
 
