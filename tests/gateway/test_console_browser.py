@@ -153,6 +153,8 @@ def test_a_key_created_on_the_page_works_until_revoked_there(browser, console):
     page.on("dialog", lambda dialog: dialog.accept())
     page.click(f"{row} button[data-revoke]")
     page.wait_for_selector(f"{row} td:nth-child(9):text('revoked')")
+    # The revoked key's row keeps its usage: one request of 7 prompt + 3 completion tokens.
+    assert (page.text_content(f"{row} td:nth-child(6)"), page.text_content(f"{row} td:nth-child(7)")) == ("1", "10")
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
 
