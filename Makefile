@@ -23,7 +23,7 @@ serve: $(STAMP)
 
 # The console's browser tests drive the system's Chromium (Playwright cannot download its own here).
 chromium:
-	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
