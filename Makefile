@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test fuzz lint bench clean
+.PHONY: install serve test fuzz lint bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/ember serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# The console's browser tests drive the system's Chromium (Playwright cannot download its own here).
+chromium:
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -1,7 +1,8 @@
 """The admin API, guarded by the admin key (`admin_key_sha256` in the config) or an API key scoped to
 the `admin` endpoint:
 
-    GET    /admin/keys[?include_revoked=true]   list keys (never the keys themselves)
+    GET    /admin/keys[?include_revoked=true][&include_usage=true]
+                                                list keys (never the keys themselves), with their usage
     POST   /admin/keys                          {name, models, endpoints, priority, rpm, ...} -> 201 with the key, shown once
     GET    /admin/keys/{id_or_name}
     DELETE /admin/keys/{id_or_name}             revoke
@@ -139,8 +140,14 @@ def build_admin_router(dispatcher: Dispatcher) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
     @router.get("/keys")
-    async def list_keys(include_revoked: bool = False) -> dict[str, Any]:
-        return {"object": "list", "data": [key.to_dict() for key in await store().list(include_revoked)]}
+    async def list_keys(include_revoked: bool = False, include_usage: bool = False) -> dict[str, Any]:
+        data = []
+        for key in await store().list(include_revoked):
+            entry = key.to_dict()
+            if include_usage:
+                entry["usage"] = dispatcher.usage.snapshot(key.id)
+            data.append(entry)
+        return {"object": "list", "data": data}
 
     @router.post("/keys", status_code=201)
     async def create_key(new_key: NewKey) -> dict[str, Any]:

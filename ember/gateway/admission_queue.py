@@ -77,7 +77,7 @@ class AdmissionQueue:
         waiter = _Waiter((-priority, next(self._sequence)), loop.create_future())
         bisect.insort(waiters, waiter)
         queued_at = time.monotonic()
-        self.metrics.queue_depth.labels(model).set(len(waiters))
+        self.metrics.set_queue_depth(model, len(waiters))
         self._wake(model)  # a slot that waiters ahead passed on may suit this one
         try:
             while True:
@@ -98,8 +98,8 @@ class AdmissionQueue:
                 self._wake(model)  # hand the slot to the next in line
         finally:
             waiters.remove(waiter)
-            self.metrics.queue_depth.labels(model).set(len(waiters))
-            self.metrics.queue_wait.labels(model).observe(time.monotonic() - queued_at)
+            self.metrics.set_queue_depth(model, len(waiters))
+            self.metrics.observe_queue_wait(model, time.monotonic() - queued_at)
             # Slots still free (one this waiter was handed but did not use because its deadline or a
             # disconnect raced the wake-up, or several freed at once) go to the next in line.
             self._wake(model)

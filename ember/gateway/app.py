@@ -23,6 +23,7 @@ from ember import sse
 from ember.errors import ClientDisconnected
 from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
+from ember.gateway.console.routes import build_console_router
 from ember.gateway.dispatch import Dispatcher
 from ember.gateway.errors import GatewayError, bad_request
 from ember.gateway.proxy import UpstreamResult
@@ -403,6 +404,7 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
         }
 
     api.include_router(build_admin_router(dispatcher))
+    api.include_router(build_console_router(dispatcher))
     for extension in extensions:
         api.include_router(extension.router)
     return api

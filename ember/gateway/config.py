@@ -339,6 +339,9 @@ class MetricsConfig(StrictModel):
     key_labels: Literal["name", "id", "none"] = Field(
         default="name", description="What the `key` label of per-key metrics holds: the key's name, its id, or nothing"
     )
+    replica_price_per_hour: float | None = Field(
+        default=None, ge=0, description="What one replica costs per hour, for the console's cost per 1M output tokens"
+    )
 
 
 class ClustersConfig(StrictModel):

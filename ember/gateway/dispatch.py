@@ -126,7 +126,7 @@ class Dispatcher:
             raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         policy = principal.policy
         if not policy.allows_model(model):
-            self.metrics.request_count(model, self.metrics.key_label(principal), "", "403").inc()
+            self.metrics.count_request(model, self.metrics.key_label(principal), "", "403")
             raise GatewayError(
                 403, f"API key {principal.name!r} may not use model `{model}`.", "permission_error",
                 "model_not_allowed", "model",
@@ -150,14 +150,14 @@ class Dispatcher:
         except GatewayError as exc:
             key = self.metrics.key_label(principal)
             self.metrics.rate_limited.labels(key, exc.type).inc()
-            self.metrics.request_count(model, key, "", str(exc.status)).inc()
+            self.metrics.count_request(model, key, "", str(exc.status))
             raise
         try:
             return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
-            self.metrics.request_count(model, self.metrics.key_label(principal), "", status).inc()
+            self.metrics.count_request(model, self.metrics.key_label(principal), "", status)
             raise
 
     # --- internals -----------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class Dispatcher:
                     body = await read_body(response)
                     result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
                     self.pool.mark_success(replica)
-                    self.metrics.ttft_for(ctx.model).observe(time.monotonic() - arrival)
+                    self.metrics.observe_ttft(ctx.model, time.monotonic() - arrival)
                     self._finish(ctx, principal, admission, arrival, result, "ok", result.usage)
                     return result
                 parser = SSEParser()
@@ -273,7 +273,8 @@ class Dispatcher:
                 self.pool.release(replica)
                 raise
             self.pool.mark_success(replica)
-            self.metrics.ttft_for(ctx.model).observe(time.monotonic() - arrival)
+            first_token_s = time.monotonic() - arrival
+            self.metrics.observe_ttft(ctx.model, first_token_s)
             return UpstreamResult(
                 replica,
                 200,
@@ -282,8 +283,8 @@ class Dispatcher:
                 parser=parser,
                 pending=first_events,
                 strip_usage_chunk=force_usage,
-                finisher=lambda result, outcome, usage: self._finish(
-                    ctx, principal, admission, arrival, result, outcome, usage
+                finisher=lambda result, outcome, usage, first_token_s=first_token_s: self._finish(
+                    ctx, principal, admission, arrival, result, outcome, usage, first_token_s
                 ),
             )
         assert last_failure is not None
@@ -309,6 +310,7 @@ class Dispatcher:
         result: UpstreamResult,
         outcome: str,
         usage: dict | None,
+        first_token_s: float | None = None,
     ) -> None:
         """Once per dispatched request that reached a replica: free its slot, settle limits, account."""
         replica = result.replica
@@ -325,5 +327,5 @@ class Dispatcher:
         self.usage.record(principal.key_id, prompt, completion)
         self.limiter.settle(admission, None if usage is None else prompt + completion)
         status = str(result.status) if outcome == "ok" else f"stream_{outcome}"
-        self.metrics.request_count(ctx.model, key, replica.id, status).inc()
-        self.metrics.e2e_for(ctx.model).observe(time.monotonic() - arrival)
+        self.metrics.count_request(ctx.model, key, replica.id, status)
+        self.metrics.observe_completion(ctx.model, time.monotonic() - arrival, completion, first_token_s)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ember.gateway.console.series import ConsoleSeries
 from ember.gateway.keys import Principal
 from ember.gateway.replicas import ReplicaPool
 
@@ -94,6 +95,34 @@ class GatewayMetrics:
         self.e2e_for = cached_labels(self.e2e)
         self.routing_for = cached_labels(self.routing_decisions)
         self.tokens_for = cached_labels(self.tokens)
+        self.series = ConsoleSeries()  # the console's last hour, fed by the observe_* calls below
+
+    # Each event is recorded here once, for both Prometheus and the console's series.
+
+    def count_request(self, model: str, key: str, replica: str, status: str) -> None:
+        self.request_count(model, key, replica, status).inc()
+        self.series.request(status)
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        self.ttft_for(model).observe(seconds)
+        self.series.ttft(seconds)
+
+    def observe_completion(self, model: str, e2e_seconds: float, output_tokens: int, ttft_seconds: float | None) -> None:
+        """A request's end; the mean inter-token latency of a stream is the time after its first
+        token over the tokens that followed it."""
+        self.e2e_for(model).observe(e2e_seconds)
+        itl = None
+        if ttft_seconds is not None and output_tokens > 1:
+            itl = (e2e_seconds - ttft_seconds) / (output_tokens - 1)
+        self.series.completion(output_tokens, itl)
+
+    def set_queue_depth(self, model: str, depth: int) -> None:
+        self.queue_depth.labels(model).set(depth)
+        self.series.queue(depth)
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
+        self.series.queue_wait(seconds)
 
     def key_label(self, principal: Principal) -> str:
         if self.key_labels == "name":
@@ -102,6 +131,7 @@ class GatewayMetrics:
 
     def watch_pool(self, pool: ReplicaPool) -> None:
         self.registry.register(_PoolCollector(pool))
+        self.series.healthy_replicas = lambda: sum(1 for replica in pool.all() if replica.healthy)
 
         def on_event(event: str, replica) -> None:
             if event == "eject":

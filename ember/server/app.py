@@ -32,6 +32,7 @@ from ember.server.serving import json_response
 from ember.server.serving_chat import ChatServing
 from ember.server.serving_completions import CompletionsServing
 from ember.server.settings import ServerSettings
+from ember.webui import console_router
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 JSON_POST_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
@@ -127,6 +128,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": __version__})
+
+    app.include_router(console_router("serve.html"))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
