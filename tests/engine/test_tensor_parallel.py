@@ -127,7 +127,7 @@ def test_a_killed_worker_fails_the_engine_without_hanging(make_tp_llm):
     with pytest.raises(TensorParallelError, match=r"ember-tp-rank1 .* exited with code -9"):
         while engine.has_unfinished_requests():
             engine.step()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60  # a hang guard, not a speed check
     assert "exited with code -9" in engine.failure
 
 
