@@ -228,6 +228,26 @@ class NewJob:
     id: str | None = None
 
 
+def queued_job(spec: NewJob, now: float) -> Job:
+    """The Job a NewJob becomes when it is queued at `now` (either store's insert)."""
+    return Job(
+        id=spec.id or new_id("job_"),
+        key_id=spec.key_id,
+        owner=spec.owner,
+        kind=spec.kind,
+        endpoint=spec.endpoint,
+        body=spec.body,
+        priority=spec.priority,
+        webhook_url=spec.webhook_url,
+        max_time_in_queue_s=spec.max_time_in_queue_s,
+        status="queued",
+        created_at=now,
+        batch_id=spec.batch_id,
+        custom_id=spec.custom_id,
+        webhook_status=None if spec.webhook_url is None else "waiting",
+    )
+
+
 class JobStore:
     """Async facade over one SQLite connection that lives on its own thread."""
 
@@ -312,25 +332,7 @@ class JobStore:
 
     @staticmethod
     def insert_jobs(conn: sqlite3.Connection, new_jobs: list[NewJob], now: float) -> list[Job]:
-        jobs = [
-            Job(
-                id=spec.id or new_id("job_"),
-                key_id=spec.key_id,
-                owner=spec.owner,
-                kind=spec.kind,
-                endpoint=spec.endpoint,
-                body=spec.body,
-                priority=spec.priority,
-                webhook_url=spec.webhook_url,
-                max_time_in_queue_s=spec.max_time_in_queue_s,
-                status="queued",
-                created_at=now,
-                batch_id=spec.batch_id,
-                custom_id=spec.custom_id,
-                webhook_status=None if spec.webhook_url is None else "waiting",
-            )
-            for spec in new_jobs
-        ]
+        jobs = [queued_job(spec, now) for spec in new_jobs]
         conn.executemany(
             "INSERT INTO jobs (id, key_id, owner, kind, endpoint, body, priority, webhook_url,"
             " max_time_in_queue_s, queue_deadline, status, created_at, batch_id, custom_id, webhook_status)"

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 
-from ember.gateway.jobs.store import Job, JobStatus, NewJob, WebhookAttempt, new_id
+from ember.gateway.jobs.store import Job, JobStatus, NewJob, WebhookAttempt, queued_job
 from ember.gateway.shared.connection import POSTGRES_ERRORS, SharedState
 
 logger = logging.getLogger(__name__)
@@ -69,25 +69,7 @@ def _sql(text: str, **names: int) -> str:
 
 async def insert_jobs(connection: asyncpg.Connection, specs: list[NewJob], now: float) -> list[Job]:
     """Queue `specs` (one async job, or a batch's requests inside the batch's transaction)."""
-    jobs = [
-        Job(
-            id=spec.id or new_id("job_"),
-            key_id=spec.key_id,
-            owner=spec.owner,
-            kind=spec.kind,
-            endpoint=spec.endpoint,
-            body=spec.body,
-            priority=spec.priority,
-            webhook_url=spec.webhook_url,
-            max_time_in_queue_s=spec.max_time_in_queue_s,
-            status="queued",
-            created_at=now,
-            batch_id=spec.batch_id,
-            custom_id=spec.custom_id,
-            webhook_status=None if spec.webhook_url is None else "waiting",
-        )
-        for spec in specs
-    ]
+    jobs = [queued_job(spec, now) for spec in specs]
     await connection.executemany(
         "INSERT INTO jobs (id, key_id, owner, kind, endpoint, body, priority, webhook_url, max_time_in_queue_s,"
         " queue_deadline, status, created_at, batch_id, custom_id, webhook_status)"
