@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ember.engine.errors import InvalidSamplingParamsError
-from ember.engine.structured_output.spec import STRUCTURED_OUTPUT_KINDS, StructuredOutputSpec
+from ember.engine.structured_output.spec import (  # public: a SamplingParams field
+    STRUCTURED_OUTPUT_KINDS,
+    StructuredOutputSpec,
+)
 
 OutputKind = Literal["cumulative", "delta", "final"]
 OUTPUT_KINDS = ("cumulative", "delta", "final")

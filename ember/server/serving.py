@@ -23,8 +23,7 @@ from ember import __version__, sse
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.errors import EngineError
 from ember.engine.outputs import RequestOutput
-from ember.engine.sampling_params import SamplingParams
-from ember.engine.structured_output.spec import StructuredOutputSpec
+from ember.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from ember.errors import ClientDisconnected
 from ember.server.admission import AdmissionController, AdmissionTicket
 from ember.server.errors import APIError, bad_request, engine_error

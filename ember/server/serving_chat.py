@@ -7,8 +7,7 @@ from typing import Any
 
 from ember.engine.errors import InvalidRequestError
 from ember.engine.outputs import CompletionOutput, RequestOutput
-from ember.engine.sampling_params import SamplingParams
-from ember.engine.structured_output.spec import StructuredOutputSpec
+from ember.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from ember.loader.tokenizer import compile_chat_template
 from ember.server.errors import bad_request
 from ember.server.logprobs import LogprobFormatter

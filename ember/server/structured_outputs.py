@@ -4,7 +4,7 @@ older guided_* fields) mapped to the engine's StructuredOutputSpec."""
 from __future__ import annotations
 
 from ember.engine.errors import InvalidRequestError
-from ember.engine.structured_output.spec import StructuredOutputSpec
+from ember.engine.sampling_params import StructuredOutputSpec
 from ember.server.protocol import SamplingFields, StructuredOutputsParams
 
 

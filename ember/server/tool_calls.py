@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.engine.errors import InvalidRequestError
-from ember.engine.structured_output.spec import StructuredOutputSpec
+from ember.engine.sampling_params import StructuredOutputSpec
 from ember.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
