@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the profile's max_batch)")  # fmt: skip
     parser.add_argument("--decode-tokens", type=int, default=16, help="Tokens per decode measurement (default 16)")
     parser.add_argument("--cost-per-replica-hour", type=float, default=None, help="This hardware's price")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="weights dtype, as ember serve --dtype (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output the profile measures (default: the model's, capped)")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
     parser.set_defaults(func=run)
 

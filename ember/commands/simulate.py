@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="Requests/s of the generated traces (default 1)")
     parser.add_argument("--duration-s", type=float, default=3600.0, help="Simulated seconds (default 3600)")
     parser.add_argument("--interval-s", type=float, default=2.0, help="Decision interval (default 2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the arrival generator (default: %(default)s)")
     scale = parser.add_argument_group(
         "at scale", "--at-scale: the fluid simulator (thousands of replicas, the fleet file's regions, days); "
         "--rate is then the peak of the whole fleet, and diurnal has a 24 h period"
