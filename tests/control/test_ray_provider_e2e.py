@@ -257,8 +257,14 @@ def test_ember_up_with_a_ray_section_runs_the_autoscaled_replica_as_a_ray_actor(
         assert raw.headers["x-ember-replica"].startswith("tiny-ray-")
     finally:
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=120) == 0
+        try:
+            exit_code = process.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # never leave a fleet (and its Ray head) behind a failed test
+            process.kill()
+            process.wait()
+            raise
         reader.join(timeout=10)
+    assert exit_code == 0
     output = "".join(lines)
     url = next(line.split(" at ")[-1].strip() for line in lines if "runs ember serve at" in line)
     assert "[ember up] ray: connected to local (2 CPUs, 0 GPUs)" in output
