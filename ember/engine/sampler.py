@@ -110,9 +110,16 @@ class Sampler:
     def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.banned is None:
             return logits
-        logits = logits.clone()
-        logits[metadata.banned] = float("-inf")
-        return logits
+        banned = logits.clone()
+        banned[metadata.banned] = float("-inf")
+        if metadata.grammar_rows is not None:
+            # A grammar that allows only what min_tokens bans (its end) wins: the output must still parse,
+            # and a row with no token left would sample garbage.
+            rows = torch.tensor(metadata.grammar_rows, device=logits.device)
+            dead = rows[torch.isneginf(banned[rows]).all(dim=-1)]
+            if dead.numel():
+                banned[dead] = logits[dead]
+        return banned
 
     def _apply_penalties(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         repetition, additive = metadata.repetition, metadata.additive

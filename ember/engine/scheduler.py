@@ -231,7 +231,8 @@ class Scheduler:
         num_output = seq.num_output_tokens
         if num_output >= seq.max_tokens:  # the engine caps max_tokens by the room left in max_model_len
             return SequenceStatus.FINISHED_LENGTH
-        if num_output < params.min_tokens:
+        grammar_ended = seq.grammar is not None and seq.grammar.is_terminated and not params.ignore_eos
+        if num_output < params.min_tokens and not grammar_ended:  # a finished grammar outranks min_tokens
             return None
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return SequenceStatus.FINISHED_STOPPED

@@ -63,3 +63,12 @@ def test_a_schema_that_does_not_compile_is_refused_with_its_param(llm):
     with pytest.raises(InvalidRequestError) as error:
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec))
     assert error.value.param == "guided_regex"
+
+
+def test_a_grammar_that_can_only_end_beats_min_tokens(llm):
+    """min_tokens bans the stop tokens; once the grammar allows nothing else, the grammar wins (it used to
+    leave no token at all)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=12,
+                            structured_output=StructuredOutputSpec("choice", '["yes", "no"]', "test"))
+    completion = llm.generate(["Is water wet? Answer:"], params)[0].outputs[0]
+    assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
