@@ -48,6 +48,13 @@ class NewKey(KeyPolicy):
                 raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
         return value
 
+    @field_validator("name")
+    @classmethod
+    def _named(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError("must not be empty or only spaces")
+        return name
+
 
 class ReplicaRegistration(ReplicaConfig):
     model: str

@@ -81,6 +81,8 @@ def test_admin_api_manages_keys(replicas, start_gateway):
     assert http.get(gateway.url + "/admin/keys", headers={"authorization": "Bearer sk-x"}).status_code == 401
     bad = http.post(gateway.url + "/admin/keys", json={"name": "bob", "rpm": -1}, headers=admin)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rpm"
+    blank = http.post(gateway.url + "/admin/keys", json={"name": "   "}, headers=admin)
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "name", blank.text
     for field in ('"name": "\\ud800"', '"name": "bob", "models": ["\\udfff"]'):  # lone surrogates: were 500s
         json_headers = {**admin, "content-type": "application/json"}
         bad = http.post(gateway.url + "/admin/keys", content="{" + field + "}", headers=json_headers)
