@@ -8,7 +8,8 @@ has the provider start replicas, or drain and stop them (loading ones first, the
 
 It exports `ember_autoscaler_*` metrics and keeps a log of the last decisions; with
 `launch.autoscaler.port` set both are served (GET /metrics, GET /status, which `ember fleet status`
-prints).
+prints). After each round it also hands its status to the gateway (PUT /admin/autoscaler), whose web
+console shows each model's current and desired replicas and the last decisions with their reasons.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ember.control.autoscaling.policy import (
     ReplicaLoad,
     WindowLatency,
 )
-from ember.control.autoscaling.provider import ManagedReplica, ReplicaProvider, ReplicaState
+from ember.control.autoscaling.provider import GatewayAdmin, ManagedReplica, ReplicaProvider, ReplicaState
 from ember.control.autoscaling.signals import (
     HistogramWindow,
     Sample,
@@ -132,6 +133,7 @@ class Autoscaler:
         self,
         fleet: Fleet,
         provider: ReplicaProvider,
+        admin: GatewayAdmin,
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
         gateway_url: str | None = None,
@@ -140,6 +142,7 @@ class Autoscaler:
         # The local gateway `ember up` starts, unless the gateway runs elsewhere (`ember autoscale`).
         self.gateway_url = gateway_url or fleet.gateway_url
         self.provider = provider
+        self.admin = admin  # the gateway's admin API, where each round's status is reported
         self.log = log
         self.clock = clock
         self.settings = fleet.launch.autoscaler
@@ -209,6 +212,9 @@ class Autoscaler:
             return  # the gateway stopped answering between two calls: the next round retries
         for name in self.models:
             await self._step_model(name, now, elapsed, gateway)
+        # A report that fails is retried next round; meanwhile the console shows the last one's age.
+        with contextlib.suppress(httpx.HTTPError):
+            await self.admin.report_autoscaler(self.status())
 
     async def _step_model(self, name: str, now: float, elapsed: float, gateway: list[Sample]) -> None:
         model = self.models[name]
