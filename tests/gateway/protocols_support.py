@@ -215,11 +215,11 @@ def chat_batch_line(custom_id: str, model: str = "tiny", content: str = "Hello")
     }
 
 
-def create_chat_batch(gateway_url: str, key: str, custom_ids: Sequence[str]) -> str:
+def create_chat_batch(gateway_url: str, key: str, custom_ids: Sequence[str], model: str = "tiny") -> str:
     """Uploads one chat line per custom id and creates their batch with the openai SDK; the batch's id."""
     client = openai.OpenAI(base_url=gateway_url + "/v1", api_key=key, max_retries=0)
-    content = b"".join(json.dumps(chat_batch_line(custom_id)).encode() + b"\n" for custom_id in custom_ids)
-    uploaded = client.files.create(file=("requests.jsonl", io.BytesIO(content)), purpose="batch")
+    lines = (json.dumps(chat_batch_line(custom_id, model)).encode() + b"\n" for custom_id in custom_ids)
+    uploaded = client.files.create(file=("requests.jsonl", io.BytesIO(b"".join(lines))), purpose="batch")
     return client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     ).id
