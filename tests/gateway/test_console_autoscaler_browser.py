@@ -1,0 +1,104 @@
+"""The autoscaler in the gateway console, in a real headless Chromium: `ember up` runs a fleet whose
+model `tiny` is autoscaled (min 1, max 2, real `ember serve` replicas of a tiny model); its autoscaler
+reports each round to the gateway, and the console's fleet view shows the model's current and desired
+replicas and the decision that started the first replica, with its reason."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from console_browser import ADMIN_KEY, log_in, screenshot
+from gateway_harness import free_port, sha256
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 240  # `ember up`, its gateway and the first replica on a loaded 2-core machine
+
+
+class AutoscaledFleet:
+    """`ember up` of one autoscaled model, stopped with SIGTERM as an operator would."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path):
+        self.gateway = f"http://127.0.0.1:{free_port()}"
+        config = {
+            "models": {"tiny": {
+                "deployments": [{"replicas": []}],
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2, "ttft_p90_ms": 60_000, "itl_p90_ms": 10_000},
+            }},
+            "keys": {"inline": [{"name": "test", "sha256": sha256("sk-test")}]},
+            "admin_key_sha256": sha256(ADMIN_KEY),
+            "health": {"interval_s": 0.3, "timeout_s": 2.0, "unhealthy_threshold": 2},
+            "launch": {
+                "gateway": {"port": int(self.gateway.rsplit(":", 1)[1])},
+                "autoscaled": {"tiny": {"model": str(model_dir), "capacity": 2, "args": [
+                    "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
+                ]}},
+                "autoscaler": {"interval_s": 0.5},
+                "shutdown_timeout_s": 30,
+            },
+        }  # fmt: skip
+        path = tmp_path / "fleet.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.log = open(tmp_path / "ember-up.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "up", str(path)], stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def wait_up(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"ember up exited with {self.process.returncode}"
+            try:
+                if httpx.get(self.gateway + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError("the fleet's gateway did not start")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir) -> Iterator[AutoscaledFleet]:
+    fleet = AutoscaledFleet(tmp_path, tiny_model_dir)
+    try:
+        fleet.wait_up()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_the_fleet_view_shows_the_autoscalers_counts_and_decisions(browser, fleet):
+    page = log_in(browser, fleet.gateway, "#models tr[data-model='tiny']")
+    timeout_ms = START_TIMEOUT_S * 1000
+    # The first round finds no replica below min_replicas 1 and starts one; it counts while loading.
+    decision = "#decisions tr[data-model='tiny'][data-reason='min_replicas']"
+    page.wait_for_selector(decision, timeout=timeout_ms)
+    assert page.locator(f"{decision} td").all_text_contents()[2:] == ["0 → 1", "min_replicas", "0 running"]
+    counts = "#models tr[data-model='tiny'] td.autoscaler[data-current='1'][data-desired='1']"
+    page.wait_for_selector(counts, timeout=timeout_ms)
+    assert page.text_content(counts) == "1 → 1"
+    assert page.text_content("#models tr[data-model='tiny'] td:nth-child(5)") == "1 … 2"
+    assert re.fullmatch(r"[\d.]+ s ago", page.text_content("#models tr[data-model='tiny'] td:nth-child(6)"))
+    # The replica it started joins the gateway's table once admitted.
+    page.wait_for_selector("#replicas tr[data-state='ready'] td:text-is('tiny')", timeout=timeout_ms)
+    page.wait_for_selector("#models tr[data-model='tiny'] td:nth-child(3):text-is('1 / 1')")
+    screenshot(page, "gateway-fleet", "#fleet-section")
