@@ -66,7 +66,7 @@ const time = (seconds) => (seconds ? new Date(seconds * 1000).toLocaleTimeString
 
 function jobRow(job) {
   const webhook = job.webhook ? job.webhook.status : "–";
-  return element("tr", { "data-job": job.id, "data-status": job.status, onclick: () => showJob(job.id) },
+  return element("tr", { "data-job": job.id, "data-kind": job.kind, "data-status": job.status, onclick: () => showJob(job.id) },
     element("td", {}, element("a", { href: "#job-detail" }, job.id)), element("td", {}, job.key), element("td", {}, job.model ?? "–"),
     element("td", { class: "state " + job.status }, job.status), element("td", {}, job.priority), element("td", {}, job.attempts),
     element("td", {}, time(job.created_at)), element("td", {}, webhook));
@@ -102,12 +102,16 @@ function batchRow(batch) {
     element("td", {}, time(batch.created_at)));
 }
 
+let jobsRefreshes = 0;
+
 async function refreshJobs() {
   const query = new URLSearchParams({ limit: "50" });
   if ($("#job-status").value) query.set("status", $("#job-status").value);
   if ($("#job-kind").value) query.set("kind", $("#job-kind").value);
+  const refresh = ++jobsRefreshes;
   try {
     const [jobs, batches] = await Promise.all([api("/admin/jobs?" + query, adminKey), api("/admin/batches?limit=20", adminKey)]);
+    if (refresh !== jobsRefreshes) return; // a later refresh (a changed filter) answers instead
     $("#jobs tbody").replaceChildren(...jobs.data.map(jobRow));
     $("#batches tbody").replaceChildren(...batches.data.map(batchRow));
     $("#jobs-updated").textContent = "updated " + new Date().toLocaleTimeString();

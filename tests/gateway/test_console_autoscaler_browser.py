@@ -50,8 +50,9 @@ class AutoscaledFleet:
         path.write_text(yaml.safe_dump(config))
         self.log = open(tmp_path / "ember-up.log", "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "up", str(path)], stdout=self.log, stderr=subprocess.STDOUT
-        )
+            [sys.executable, "-m", "ember.cli", "up", str(path)], stdout=self.log, stderr=subprocess.STDOUT,
+            cwd=tmp_path,  # where the gateway keeps its default job store
+        )  # fmt: skip
 
     def wait_up(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

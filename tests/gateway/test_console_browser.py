@@ -52,6 +52,7 @@ def console(tmp_path, tiny_replica) -> Iterator[tuple[ProtocolGateway, list[Fake
     )
     config["keys"]["store"] = str(tmp_path / "keys.db")
     config["async"] = {
+        "store": str(tmp_path / "jobs.db"),
         "jobs": {"poll_interval_s": 0.05},
         "webhooks": {"allow": ["127.0.0.0/8"], "backoff_initial_s": 0.05, "backoff_max_s": 0.2},
     }
@@ -134,7 +135,10 @@ def test_jobs_and_batches_show_their_status_progress_and_webhook_deliveries(brow
     screenshot(page, "gateway-jobs", "#jobs-section")
 
     page.select_option("#job-kind", "batch")  # the batch's own jobs, one per line
-    page.wait_for_function("() => document.querySelectorAll('#jobs tr[data-status=succeeded]').length === 2")
+    page.wait_for_selector("#jobs tr[data-kind=batch]")
+    assert page.locator("#jobs tbody tr").evaluate_all("rows => rows.map((row) => row.dataset.kind + ' ' + row.dataset.status)") == [
+        "batch succeeded", "batch succeeded",
+    ]  # fmt: skip
 
 
 def test_charts_have_data_after_traffic(browser, console):
@@ -228,6 +232,7 @@ def test_the_playground_shows_tokens_as_they_arrive(browser, console):
         fake.release()
     page.wait_for_selector(".message.assistant[data-streaming='false']")
     assert page.text_content(".message.assistant") in ("Hello from a", "Hello from b")
+    screenshot(page, "gateway-playground", "#playground-section")
 
 
 def test_the_playground_streams_a_reply_from_the_tiny_model(browser, console):
@@ -248,7 +253,6 @@ def test_the_playground_streams_a_reply_from_the_tiny_model(browser, console):
         },
     ).json()["choices"][0]["message"]["content"]
     assert reply == expected
-    screenshot(page, "gateway-playground", "#playground-section")
 
 
 def test_ember_serve_console_shows_status_and_streams(browser, tiny_replica):
@@ -276,6 +280,7 @@ def test_the_playground_answers_in_json_mode(browser, smollm2_replica):
         page, "Describe a cat as a JSON object with its name and color.", max_tokens=96
     )
     assert isinstance(json.loads(reply), dict), reply
+    screenshot(page, "playground-json-mode", "#playground-section")
 
 
 WEATHER_TOOL = {
