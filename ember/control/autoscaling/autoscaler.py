@@ -158,6 +158,7 @@ class Autoscaler:
         self._last_reason: dict[str, str] = {}
         self._desired: dict[str, int] = {}
         self._last_step: float | None = None
+        self._report_refused: int | None = None  # the status of the gateway's last refusal of a report
         self._admitted: set[str] = set()  # replica ids whose cold start is recorded
         self._stops: set[asyncio.Task] = set()
         self._http = httpx.AsyncClient(timeout=max(1.0, self.settings.interval_s))
@@ -212,9 +213,7 @@ class Autoscaler:
             return  # the gateway stopped answering between two calls: the next round retries
         for name in self.models:
             await self._step_model(name, now, elapsed, gateway)
-        # A report that fails is retried next round; meanwhile the console shows the last one's age.
-        with contextlib.suppress(httpx.HTTPError):
-            await self.admin.report_autoscaler(self.status())
+        await self._report()
 
     async def _step_model(self, name: str, now: float, elapsed: float, gateway: list[Sample]) -> None:
         model = self.models[name]
@@ -294,6 +293,21 @@ class Autoscaler:
             self.log(f"autoscaler: stopping {replica.id}: the gateway did not answer the drain ({exc}); stopped anyway")
         else:
             self.log(f"autoscaler: {replica.model}: {replica.id} drained and stopped")
+
+    async def _report(self) -> None:
+        """Hands this round's status to the gateway's console. A report that fails is sent again next
+        round (meanwhile the console shows the last one's age); a refusal is logged once per status."""
+        try:
+            await self.admin.report_autoscaler(self.status())
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != self._report_refused:
+                self._report_refused = exc.response.status_code
+                self.log(f"autoscaler: the gateway refused its status report: {exc.response.status_code} "
+                         f"{exc.response.text[:200]}")  # fmt: skip
+        except httpx.HTTPError:
+            pass  # the gateway is restarting
+        else:
+            self._report_refused = None
 
     # --- bookkeeping ------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-# The autoscaler's decision log holds 200; more in one report is refused, bounding the gateway's memory.
+# The autoscaler's decision log holds 200 (DECISION_LOG_SIZE in ember.control.autoscaling.autoscaler,
+# which the gateway does not import); more in one report is refused, bounding the gateway's memory.
 MAX_DECISIONS = 200
 MAX_REPLICAS_PER_MODEL = 1000
 DECISIONS_SHOWN = 10  # per model, newest first
