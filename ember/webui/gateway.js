@@ -113,6 +113,8 @@ async function refreshJobs() {
     const [jobs, batches] = await Promise.all([api("/admin/jobs?" + query, adminKey), api("/admin/batches?limit=20", adminKey)]);
     if (refresh !== jobsRefreshes) return; // a later refresh (a changed filter) answers instead
     $("#jobs tbody").replaceChildren(...jobs.data.map(jobRow));
+    const counts = Object.entries(jobs.counts_by_status).sort().map(([status, count]) => `${status} ${count}`);
+    $("#job-counts").textContent = "All jobs: " + (counts.join(" · ") || "none yet");
     $("#batches tbody").replaceChildren(...batches.data.map(batchRow));
     $("#jobs-updated").textContent = "updated " + new Date().toLocaleTimeString();
     showError("#jobs-error");

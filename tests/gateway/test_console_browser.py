@@ -130,6 +130,8 @@ def test_jobs_and_batches_show_their_status_progress_and_webhook_deliveries(brow
         page.wait_for_selector(f"{job_row}[data-status='succeeded'] td:nth-child(8):text-is('delivered')")
     page.click(f"{job_row} td:nth-child(1) a")
     page.wait_for_selector(f"#job-detail h3[data-job='{hooked}']")
+    # Every job in the store: the async one and the batch's two.
+    page.wait_for_selector("#job-counts:text-is('All jobs: succeeded 3')")
     attempts = page.locator("#webhook-attempts tbody tr td:nth-child(3)").all_text_contents()
     assert attempts == ["500", "200"]
     screenshot(page, "gateway-jobs", "#jobs-section")

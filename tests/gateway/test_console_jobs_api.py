@@ -66,6 +66,7 @@ def test_admin_lists_every_keys_jobs_and_batches_with_progress_and_webhooks(gate
         (third, "alpha", "succeeded"), (second, "beta", "succeeded"), (first, "alpha", "succeeded"),
     ]  # fmt: skip
     assert async_jobs["has_more"] is False
+    assert async_jobs["counts_by_status"] == {"succeeded": 6}  # every job, the batches' too
     assert "result" not in async_jobs["data"][0]
     assert async_jobs["data"][2]["webhook"] == {"url": receiver.url, "status": "delivered"}
 

@@ -1,7 +1,8 @@
 """The admin's view of async jobs and batches, every key's, for the web console (admin key only):
 
     GET /admin/jobs[?status=queued|running|...][&kind=async|batch][&limit=20][&after=<job id>]
-                              newest first, with their key and attempts, without results
+                              newest first, with their key and attempts, without results; and
+                              `counts_by_status`: every job in the store (any kind) by status
     GET /admin/jobs/{id}      one job with its result or error and its webhook deliveries
     GET /admin/batches[?limit=20][&after=<batch id>]
                               every key's batches, newest first, with their request counts
@@ -57,7 +58,8 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         kind = _choice(request, "kind", get_args(JobKind))
         limit = list_limit(request)
         jobs = await runtime.store.list_jobs(status, kind, limit + 1, request.query_params.get("after"))
-        return JSONResponse(list_page([job_summary(job) for job in jobs], limit))
+        page = list_page([job_summary(job) for job in jobs], limit)
+        return JSONResponse({**page, "counts_by_status": await runtime.store.count_by_status()})
 
     @router.get("/jobs/{job_id}")
     async def get_job(job_id: str) -> Response:
