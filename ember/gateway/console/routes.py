@@ -7,7 +7,8 @@ data it polls:
     PUT /admin/autoscaler                      the autoscaler's report (AutoscalerReport), each round
 
 Keys are managed through the admin API (/admin/keys) and the playground calls /v1/chat/completions
-with the user's own API key, so the page adds no mutating route of its own. The admin key travels as
+with the user's own API key, so the page adds no mutating route of its own (PUT /admin/autoscaler is
+the autoscaler's, with the control token). The admin key travels as
 an Authorization header set by the page's script, never as a cookie, so a cross-site form cannot
 act with it (no CSRF).
 """
