@@ -1,10 +1,12 @@
 """The autoscaler in the gateway console, in a real headless Chromium: `ember up` runs a fleet whose
 model `tiny` is autoscaled (min 1, max 2, real `ember serve` replicas of a tiny model); its autoscaler
 reports each round to the gateway, and the console's fleet view shows the model's current and desired
-replicas and the decision that started the first replica, with its reason."""
+replicas, the decision that started the first replica and, after a burst of requests, the one that
+wants a second, each with its reason."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import signal
 import subprocess
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 from console_browser import ADMIN_KEY, log_in, screenshot
@@ -21,6 +24,7 @@ from gateway_harness import free_port, sha256
 
 pytestmark = pytest.mark.slow
 
+USER_KEY = "sk-test"
 START_TIMEOUT_S = 240  # `ember up`, its gateway and the first replica on a loaded 2-core machine
 
 
@@ -34,7 +38,7 @@ class AutoscaledFleet:
                 "deployments": [{"replicas": []}],
                 "autoscaling": {"min_replicas": 1, "max_replicas": 2, "ttft_p90_ms": 60_000, "itl_p90_ms": 10_000},
             }},
-            "keys": {"inline": [{"name": "test", "sha256": sha256("sk-test")}]},
+            "keys": {"inline": [{"name": "test", "sha256": sha256(USER_KEY)}]},
             "admin_key_sha256": sha256(ADMIN_KEY),
             "health": {"interval_s": 0.3, "timeout_s": 2.0, "unhealthy_threshold": 2},
             "launch": {
@@ -102,4 +106,24 @@ def test_the_fleet_view_shows_the_autoscalers_counts_and_decisions(browser, flee
     # The replica it started joins the gateway's table once admitted.
     page.wait_for_selector("#replicas tr[data-state='ready'] td:text-is('tiny')", timeout=timeout_ms)
     page.wait_for_selector("#models tr[data-model='tiny'] td:nth-child(3):text-is('1 / 1')")
+
+    # A burst of 12 requests for one replica of 2 slots: the autoscaler wants a second replica, the
+    # page shows the decision and its reason, then both replicas counted.
+    client = openai.OpenAI(base_url=fleet.gateway + "/v1", api_key=USER_KEY, max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "burst"}]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        burst = [
+            pool.submit(client.chat.completions.create, model="tiny", messages=messages, max_tokens=48)
+            for _ in range(12)
+        ]
+        scale_up = "#decisions tr[data-model='tiny'] td:nth-child(3):text-is('1 → 2')"
+        page.wait_for_selector(scale_up, timeout=timeout_ms)
+        reason = page.text_content(
+            "#decisions tr[data-model='tiny']:has(td:text-is('1 → 2')) td:nth-child(4)"
+        )
+        assert reason in ("panic", "queue", "slo_ttft", "slo_itl", "slo_queue_wait"), reason
+        assert all(future.result().choices[0].message.content for future in burst)
+    page.wait_for_selector(
+        "#models tr[data-model='tiny'] td.autoscaler[data-desired='2']", timeout=timeout_ms
+    )
     screenshot(page, "gateway-fleet", "#fleet-section")
