@@ -2,7 +2,7 @@
 model `tiny` is autoscaled (min 1, max 2, real `ember serve` replicas of a tiny model); its autoscaler
 reports each round to the gateway, and the console's fleet view shows the model's current and desired
 replicas, the decision that started the first replica and, after a burst of requests, the one that
-wants a second, each with its reason."""
+wants a second, each with its reason; and the burst in the charts."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class AutoscaledFleet:
             }},
             "keys": {"inline": [{"name": "test", "sha256": sha256(USER_KEY)}]},
             "admin_key_sha256": sha256(ADMIN_KEY),
+            "metrics": {"replica_price_per_hour": 2.5},  # for the cost chart
             "health": {"interval_s": 0.3, "timeout_s": 2.0, "unhealthy_threshold": 2},
             "launch": {
                 "gateway": {"port": int(self.gateway.rsplit(":", 1)[1])},
@@ -110,20 +111,38 @@ def test_the_fleet_view_shows_the_autoscalers_counts_and_decisions(browser, flee
     # A burst of 12 requests for one replica of 2 slots: the autoscaler wants a second replica, the
     # page shows the decision and its reason, then both replicas counted.
     client = openai.OpenAI(base_url=fleet.gateway + "/v1", api_key=USER_KEY, max_retries=0, timeout=300)
-    messages = [{"role": "user", "content": "burst"}]
+
+    def ask(stream: bool) -> str:
+        """One request of the burst; a third of them streamed, which the inter-token latency chart needs."""
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "burst"}], max_tokens=48, stream=stream
+        )
+        if not stream:
+            return reply.choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        burst = [
-            pool.submit(client.chat.completions.create, model="tiny", messages=messages, max_tokens=48)
-            for _ in range(12)
-        ]
+        burst = [pool.submit(ask, index % 3 == 0) for index in range(12)]
         scale_up = "#decisions tr[data-model='tiny'] td:nth-child(3):text-is('1 → 2')"
         page.wait_for_selector(scale_up, timeout=timeout_ms)
         reason = page.text_content(
             "#decisions tr[data-model='tiny']:has(td:text-is('1 → 2')) td:nth-child(4)"
         )
         assert reason in ("panic", "queue", "slo_ttft", "slo_itl", "slo_queue_wait"), reason
-        assert all(future.result().choices[0].message.content for future in burst)
+        assert all(future.result() for future in burst)
     page.wait_for_selector(
         "#models tr[data-model='tiny'] td.autoscaler[data-desired='2']", timeout=timeout_ms
     )
     screenshot(page, "gateway-fleet", "#fleet-section")
+    # The burst in the charts: its requests, their first-token and inter-token latencies, the queue.
+    charts = (
+        ("Requests", "200"),
+        ("Inter-token latency", "p90"),
+        ("Queue", "depth"),
+        ("Cost", "per 1M output tokens"),
+    )
+    for chart, series in charts:
+        page.wait_for_selector(
+            f"figure[data-chart='{chart}'] g[data-series='{series}'] circle", timeout=15_000
+        )
+    screenshot(page, "gateway-charts", "#charts-section")

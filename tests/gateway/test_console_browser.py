@@ -160,7 +160,6 @@ def test_charts_have_data_after_traffic(browser, console):
             .then((r) => r.json()).then((s) => s.points.reduce((sum, p) => sum + p.output_tokens_per_s * s.bucket_s, 0))"""
     )
     assert tokens == 9
-    screenshot(page, "gateway-charts", "#charts-section")
 
 
 def test_a_key_created_on_the_page_works_until_revoked_there(browser, console):
