@@ -69,7 +69,7 @@ async def autoscale(fleet: Fleet, stop: asyncio.Event | None = None) -> int:
     url = gateway_url(fleet)
     admin = GatewayAdmin(url, token, drain_timeout_s=fleet.launch.shutdown_timeout_s)
     provider = KubernetesProvider(targets, admin, api_client(settings.autoscaler.kubeconfig))
-    autoscaler = Autoscaler(fleet, provider, gateway_url=url)
+    autoscaler = Autoscaler(fleet, provider, admin, gateway_url=url)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

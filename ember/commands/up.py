@@ -83,5 +83,5 @@ async def run_fleet(fleet) -> int:
         provider = LocalProcessProvider(
             supervisor, fleet.autoscaled, admin, log=supervisor.log, credential=fleet.credential
         )
-    supervisor.services.append(Autoscaler(fleet, provider, log=supervisor.log))
+    supervisor.services.append(Autoscaler(fleet, provider, admin, log=supervisor.log))
     return await supervisor.run()

@@ -13,6 +13,10 @@ the `admin` endpoint:
 
 Besides the admin key, the control token `ember up` hands its gateway in EMBER_GATEWAY_CONTROL_TOKEN
 is accepted: it is how the autoscaler registers the replicas it starts.
+
+The same guard protects the admin routes defined elsewhere: the web console's /admin/console/* and
+PUT /admin/autoscaler (ember.gateway.console.routes), and every key's async jobs and batches,
+/admin/jobs and /admin/batches (ember.gateway.jobs.admin).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from fastapi import APIRouter
 
 from ember.gateway.config import GatewayConfig
+from ember.gateway.jobs import admin as jobs_admin
 from ember.gateway.jobs import api as jobs_api
 from ember.gateway.jobs import batches, files
 from ember.gateway.jobs.config import AsyncConfig
@@ -80,7 +81,8 @@ ExtensionFactory = Callable[[GatewayServices], GatewayExtension]
 
 
 class JobsExtension:
-    """/v1/async/*, /v1/files*, /v1/batches*: routes over one job store, started with the gateway."""
+    """/v1/async/*, /v1/files*, /v1/batches* and the admin's /admin/jobs, /admin/batches: routes over one
+    job store, started with the gateway."""
 
     def __init__(self, dispatcher: GatewayServices, config: AsyncConfig, base_dir: Path | None) -> None:
         self.runtime = JobsRuntime(dispatcher, config, base_dir)
@@ -88,6 +90,7 @@ class JobsExtension:
         self.router.include_router(jobs_api.build_router(self.runtime))
         self.router.include_router(files.build_router(self.runtime))
         self.router.include_router(batches.build_router(self.runtime))
+        self.router.include_router(jobs_admin.build_router(self.runtime))
 
     async def start(self) -> None:
         await self.runtime.start()

@@ -116,9 +116,39 @@ async function loadModels(modelSelect, key) {
   modelSelect.replaceChildren(...models.data.map((m) => element("option", { value: m.id }, m.id)));
 }
 
+// The tools textarea's array, or undefined when empty; an Error naming the problem otherwise.
+function parseTools(text) {
+  if (!text.trim()) return undefined;
+  let tools;
+  try {
+    tools = JSON.parse(text);
+  } catch (error) {
+    throw new Error("Tools: not valid JSON (" + error.message + ")");
+  }
+  if (!Array.isArray(tools)) throw new Error("Tools: must be a JSON array of tools");
+  return tools;
+}
+
+// Streamed tool calls arrive in pieces (OpenAI's delta.tool_calls): the first names the call, the
+// rest append to its arguments.
+function addToolCallDeltas(calls, deltas) {
+  for (const delta of deltas) {
+    const call = (calls[delta.index] ??= { id: delta.id, type: "function", function: { name: "", arguments: "" } });
+    if (delta.id) call.id = delta.id;
+    if (delta.function?.name) call.function.name += delta.function.name;
+    if (delta.function?.arguments) call.function.arguments += delta.function.arguments;
+  }
+}
+
+function showToolCalls(box, calls) {
+  box.replaceChildren(...calls.map((call) =>
+    element("pre", { "data-tool-call": call.function.name }, `${call.function.name}(${call.function.arguments})`)));
+}
+
 async function sendChat(form, key) {
   const prompt = form.prompt.value.trim();
   if (!prompt) return;
+  const tools = parseTools(form.tools.value);
   const log = $("#chat-log");
   conversation.push({ role: "user", content: prompt });
   log.append(element("div", { class: "message user" }, prompt));
@@ -130,8 +160,12 @@ async function sendChat(form, key) {
     model: form.model.value, messages, stream: true, stream_options: { include_usage: true },
     temperature: Number(form.temperature.value), top_p: Number(form.top_p.value), max_tokens: Number(form.max_tokens.value),
   };
+  if (form.json_mode.checked) body.response_format = { type: "json_object" };
+  if (tools) Object.assign(body, { tools, tool_choice: form.tool_choice.value });
   const started = performance.now();
   let firstTokenAt = null, tokens = 0, text = "";
+  const calls = [];
+  const callsBox = element("div", { class: "message tool-calls" });
   const response = await fetch("/v1/chat/completions", {
     method: "POST", headers: { authorization: "Bearer " + key, "content-type": "application/json" }, body: JSON.stringify(body),
   });
@@ -158,16 +192,21 @@ async function sendChat(form, key) {
       const chunk = JSON.parse(data);
       if (chunk.error) { text += "\n[error: " + chunk.error.message + "]"; continue; }
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
-      const piece = chunk.choices?.[0]?.delta?.content;
-      if (piece) {
-        if (firstTokenAt === null) firstTokenAt = performance.now();
-        text += piece;
+      const delta = chunk.choices?.[0]?.delta;
+      if (delta?.content || delta?.tool_calls) firstTokenAt ??= performance.now();
+      if (delta?.content) {
+        text += delta.content;
         reply.textContent = text;
+      }
+      if (delta?.tool_calls) {
+        addToolCallDeltas(calls, delta.tool_calls);
+        if (!callsBox.isConnected) reply.after(callsBox);
+        showToolCalls(callsBox, calls);
       }
     }
   }
   reply.dataset.streaming = "false";
-  conversation.push({ role: "assistant", content: text });
+  conversation.push(calls.length ? { role: "assistant", content: text || null, tool_calls: calls } : { role: "assistant", content: text });
   const seconds = (performance.now() - (firstTokenAt ?? started)) / 1000;
   const ttft = firstTokenAt === null ? "–" : ((firstTokenAt - started) / 1000).toFixed(3) + " s";
   $("#chat-stats").textContent = `TTFT ${ttft} · ${tokens} tokens · ${tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s`;
@@ -185,6 +224,7 @@ function setUpPlayground() {
   $("#user-key-form").addEventListener("submit", (event) => { event.preventDefault(); connect(); });
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
+    showError("#playground-error");
     try { await sendChat(form, keyInput.value); } catch (error) { showError("#playground-error", error); }
   });
   $("#chat-clear").addEventListener("click", () => { conversation.length = 0; $("#chat-log").replaceChildren(); });

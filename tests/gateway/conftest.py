@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from console_browser import browser  # noqa: E402,F401  (the fixture of the console's browser tests)
 from gateway_harness import FakeReplica, GatewayServer  # noqa: E402
 from protocols_support import ProtocolGateway, protocol_config  # noqa: E402
 from shared_stores import shared_state  # noqa: E402,F401  (the fixture of the shared-state tests)

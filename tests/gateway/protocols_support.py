@@ -5,6 +5,7 @@ receiver. Import the fixtures into a test module to use them."""
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from gateway_harness import ServerThread, free_port, sha256, wait_until
 
@@ -156,9 +158,12 @@ def real_replica(long_context_model_dir: Path, tmp_path_factory: pytest.TempPath
     server is plenty)."""
     global _shared_replica
     if _shared_replica is None or _shared_replica[0].poll() is not None:
-        positions = json.loads((long_context_model_dir / "config.json").read_text())["max_position_embeddings"]
-        _shared_replica = start_ember_serve(long_context_model_dir, tmp_path_factory.mktemp("replica") / "serve.log",
-                                            max_model_len=positions)
+        positions = json.loads((long_context_model_dir / "config.json").read_text())[
+            "max_position_embeddings"
+        ]
+        _shared_replica = start_ember_serve(
+            long_context_model_dir, tmp_path_factory.mktemp("replica") / "serve.log", max_model_len=positions
+        )
     yield _shared_replica[1]
     stop_process(_shared_replica[0])
 
@@ -199,3 +204,22 @@ class WebhookReceiver:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def chat_batch_line(custom_id: str, model: str = "tiny", content: str = "Hello") -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 3},
+    }
+
+
+def create_chat_batch(gateway_url: str, key: str, custom_ids: Sequence[str], model: str = "tiny") -> str:
+    """Uploads one chat line per custom id and creates their batch with the openai SDK; the batch's id."""
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key=key, max_retries=0)
+    lines = (json.dumps(chat_batch_line(custom_id, model)).encode() + b"\n" for custom_id in custom_ids)
+    uploaded = client.files.create(file=("requests.jsonl", io.BytesIO(b"".join(lines))), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    ).id

@@ -1,51 +1,35 @@
 """The web consoles in a real, headless Chromium driven by Playwright: the gateway's (log in with the
 admin key, the fleet table following a replica that stops and comes back, charts after traffic,
-a key created and revoked from the page and used with the openai SDK, the playground showing a
-stream's first token before the rest and answering from a tiny-model replica) and `ember serve`'s
-(status and playground).
+async jobs and a batch with their status, progress and webhook deliveries, a key created and revoked
+from the page and used with the openai SDK, the playground showing a stream's first token before the
+rest and answering from a tiny-model replica, in JSON mode and with tools) and `ember serve`'s
+(status and playground). The autoscaler's part of the fleet view: test_console_autoscaler_browser.py.
 
-Chromium comes from the system's package manager (`make test` installs Debian's `chromium`);
-Playwright's own browser download is not used. Set EMBER_CHROMIUM to use another binary, and
-EMBER_CONSOLE_SCREENSHOT to a path to save a screenshot of the gateway console (docs/console.png).
+Chromium comes from the system's package manager (console_browser.py). EMBER_CONSOLE_SCREENSHOTS=<folder>
+saves a screenshot of each page there (docs/console/).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
-import shutil
 from collections.abc import Iterator
 
 import openai
 import pytest
-from gateway_harness import EmberServe, FakeReplica, GatewayServer, gateway_config, http, model_config, sha256
+from console_browser import ADMIN_KEY, screenshot
+from console_browser import log_in as log_in_at
+from gateway_harness import EmberServe, FakeReplica, gateway_config, http, model_config, sha256
+from protocols_support import ProtocolGateway, WebhookReceiver, create_chat_batch
+
+from tests.server.conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-ADMIN_KEY = "sk-admin"
 USER_KEY = "sk-test-alice"
 # Replica state changes reach the page within one health interval, one fleet refresh (2 s) and the
 # browser's own time on a loaded 2-core machine.
 STATE_CHANGE_TIMEOUT_MS = 10_000
-
-
-def chromium_path() -> str:
-    path = os.environ.get("EMBER_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("Chromium is not installed: `apt-get install -y chromium` (or `make test`, which installs it)")
-    return path
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("Playwright is not installed: `pip install -e '.[dev]'` (or `make test`)")
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=chromium_path(), headless=True)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +40,9 @@ def tiny_replica(tiny_model_dir) -> Iterator[EmberServe]:
 
 
 @pytest.fixture
-def console(tmp_path, tiny_replica) -> Iterator[tuple[GatewayServer, list[FakeReplica]]]:
-    """A gateway with model `tiny` on a real `ember serve` and model `fake` on two fake replicas."""
+def console(tmp_path, tiny_replica) -> Iterator[tuple[ProtocolGateway, list[FakeReplica]]]:
+    """A gateway (with async jobs and batches) with model `tiny` on a real `ember serve` and model `fake`
+    on two fake replicas."""
     fakes = [FakeReplica("a").start(), FakeReplica("b").start()]
     tiny = {"deployments": [{"name": "main", "replicas": [{"url": tiny_replica.url, "id": "tiny-1"}]}]}
     config = gateway_config(
@@ -66,21 +51,20 @@ def console(tmp_path, tiny_replica) -> Iterator[tuple[GatewayServer, list[FakeRe
         admin_key_sha256=sha256(ADMIN_KEY),
     )
     config["keys"]["store"] = str(tmp_path / "keys.db")
-    gateway = GatewayServer(config, tmp_path)
-    gateway.server.start()
+    config["async"] = {
+        "store": str(tmp_path / "jobs.db"),
+        "jobs": {"poll_interval_s": 0.05},
+        "webhooks": {"allow": ["127.0.0.0/8"], "backoff_initial_s": 0.05, "backoff_max_s": 0.2},
+    }
+    gateway = ProtocolGateway(config, tmp_path).start()
     yield gateway, fakes
-    gateway.server.stop()
+    gateway.stop()
     for fake in fakes:
         fake.stop()
 
 
-def log_in(browser, gateway: GatewayServer):
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.goto(gateway.url + "/console")
-    page.fill("#admin-key", ADMIN_KEY)
-    page.click("#login-form button[type=submit]")
-    page.wait_for_selector("#replicas tr[data-replica='a']")
-    return page
+def log_in(browser, gateway: ProtocolGateway):
+    return log_in_at(browser, gateway.url, "#replicas tr[data-replica='a']")
 
 
 def replica_state(page, replica_id: str) -> str:
@@ -106,19 +90,66 @@ def test_the_fleet_table_follows_a_replica_that_stops_and_comes_back(browser, co
 
     port = fakes[1].server.port
     fakes[1].stop()
-    page.wait_for_selector("#replicas tr[data-replica='b'][data-state='ejected']", timeout=STATE_CHANGE_TIMEOUT_MS)
+    page.wait_for_selector(
+        "#replicas tr[data-replica='b'][data-state='ejected']", timeout=STATE_CHANGE_TIMEOUT_MS
+    )
     assert replica_state(page, "a") == "ready"
     assert page.text_content("#models tr[data-model='fake'] td:nth-child(3)") == "1 / 2"
 
     fakes[1] = FakeReplica("b", port=port).start()
-    page.wait_for_selector("#replicas tr[data-replica='b'][data-state='ready']", timeout=STATE_CHANGE_TIMEOUT_MS)
+    page.wait_for_selector(
+        "#replicas tr[data-replica='b'][data-state='ready']", timeout=STATE_CHANGE_TIMEOUT_MS
+    )
+    screenshot(page, "gateway-fleet", "#fleet-section")
+
+
+def test_jobs_and_batches_show_their_status_progress_and_webhook_deliveries(browser, console):
+    gateway, fakes = console
+    for fake in fakes:  # every request waits at the replica until released
+        fake.hold()
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    headers = {"authorization": f"Bearer {USER_KEY}"}
+    with WebhookReceiver([500, 200]) as receiver:
+        submit = http.post(
+            gateway.url + "/v1/async/chat/completions",
+            headers=headers,
+            json={**chat, "webhook_url": receiver.url},
+        )
+        hooked = submit.json()["id"]
+        batch = create_chat_batch(gateway.url, USER_KEY, ["x", "y"], model="fake")
+        page = log_in(browser, gateway)
+        job_row, batch_row = f"#jobs tr[data-job='{hooked}']", f"#batches tr[data-batch='{batch}']"
+        page.wait_for_selector(f"{job_row}[data-status='running']")
+        page.wait_for_selector(f"{batch_row}[data-status='in_progress'] progress[value='0'][max='2']")
+        assert page.text_content(f"{job_row} td:nth-child(2)") == "alice"
+
+        for fake in fakes:
+            fake.release()
+        page.wait_for_selector(f"{batch_row}[data-status='completed'] progress[value='2'][max='2']")
+        # The webhook's first delivery gets a 500, the retry a 200.
+        page.wait_for_selector(f"{job_row}[data-status='succeeded'] td:nth-child(8):text-is('delivered')")
+    page.click(f"{job_row} td:nth-child(1) a")
+    page.wait_for_selector(f"#job-detail h3[data-job='{hooked}']")
+    # Every job in the store: the async one and the batch's two.
+    page.wait_for_selector("#job-counts:text-is('All jobs: succeeded 3')")
+    attempts = page.locator("#webhook-attempts tbody tr td:nth-child(3)").all_text_contents()
+    assert attempts == ["500", "200"]
+    screenshot(page, "gateway-jobs", "#jobs-section")
+
+    page.select_option("#job-kind", "batch")  # the batch's own jobs, one per line
+    page.wait_for_selector("#jobs tr[data-kind=batch]")
+    assert page.locator("#jobs tbody tr").evaluate_all("rows => rows.map((row) => row.dataset.kind + ' ' + row.dataset.status)") == [
+        "batch succeeded", "batch succeeded",
+    ]  # fmt: skip
 
 
 def test_charts_have_data_after_traffic(browser, console):
     gateway, _ = console
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=USER_KEY)
     for _ in range(3):
-        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
     page = log_in(browser, gateway)
     page.wait_for_selector("figure[data-chart='Requests'] g[data-series='200'] circle")
     page.wait_for_selector("figure[data-chart='Time to first token'] g[data-series='p90'] circle")
@@ -129,9 +160,6 @@ def test_charts_have_data_after_traffic(browser, console):
             .then((r) => r.json()).then((s) => s.points.reduce((sum, p) => sum + p.output_tokens_per_s * s.bucket_s, 0))"""
     )
     assert tokens == 9
-    screenshot = os.environ.get("EMBER_CONSOLE_SCREENSHOT")
-    if screenshot:
-        page.screenshot(path=screenshot, full_page=True)
 
 
 def test_a_key_created_on_the_page_works_until_revoked_there(browser, console):
@@ -147,16 +175,27 @@ def test_a_key_created_on_the_page_works_until_revoked_there(browser, console):
     assert page.text_content(f"{row} td:nth-child(4)") == "100"
 
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
-    reply = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    assert reply.choices[0].message.content == "Hello from a" or reply.choices[0].message.content == "Hello from b"
+    reply = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert (
+        reply.choices[0].message.content == "Hello from a"
+        or reply.choices[0].message.content == "Hello from b"
+    )
 
     page.on("dialog", lambda dialog: dialog.accept())
     page.click(f"{row} button[data-revoke]")
     page.wait_for_selector(f"{row} td:nth-child(9):text('revoked')")
     # The revoked key's row keeps its usage: one request of 7 prompt + 3 completion tokens.
-    assert (page.text_content(f"{row} td:nth-child(6)"), page.text_content(f"{row} td:nth-child(7)")) == ("1", "10")
+    assert (page.text_content(f"{row} td:nth-child(6)"), page.text_content(f"{row} td:nth-child(7)")) == (
+        "1",
+        "10",
+    )
     with pytest.raises(openai.AuthenticationError):
-        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    screenshot(page, "gateway-keys", "#keys-section")
 
 
 def connect_playground(page, user_key: str, model: str) -> None:
@@ -173,7 +212,9 @@ def chat_in_playground(page, prompt: str = "Hello", max_tokens: int = 24) -> str
     page.fill("#playground textarea[name=prompt]", prompt)
     page.click("#chat-send")
     page.wait_for_selector(".message.assistant[data-streaming='false']", timeout=60_000)
-    stats = re.fullmatch(r"TTFT ([\d.]+) s · (\d+) tokens · ([\d.–]+) tokens/s", page.text_content("#chat-stats"))
+    stats = re.fullmatch(
+        r"TTFT ([\d.]+) s · (\d+) tokens · ([\d.–]+) tokens/s", page.text_content("#chat-stats")
+    )
     assert stats is not None and int(stats[2]) > 1, page.text_content("#chat-stats")
     return page.text_content(".message.assistant")
 
@@ -192,6 +233,7 @@ def test_the_playground_shows_tokens_as_they_arrive(browser, console):
         fake.release()
     page.wait_for_selector(".message.assistant[data-streaming='false']")
     assert page.text_content(".message.assistant") in ("Hello from a", "Hello from b")
+    screenshot(page, "gateway-playground", "#playground-section")
 
 
 def test_the_playground_streams_a_reply_from_the_tiny_model(browser, console):
@@ -204,7 +246,12 @@ def test_the_playground_streams_a_reply_from_the_tiny_model(browser, console):
     expected = http.post(
         gateway.url + "/v1/chat/completions",
         headers={"authorization": f"Bearer {USER_KEY}"},
-        json={"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24, "temperature": 0},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        },
     ).json()["choices"][0]["message"]["content"]
     assert reply == expected
 
@@ -215,3 +262,53 @@ def test_ember_serve_console_shows_status_and_streams(browser, tiny_replica):
     page.wait_for_selector("#status tr[data-status='Ready'] td:text('yes')")
     connect_playground(page, "no-key-needed", "tiny")
     assert chat_in_playground(page)
+
+
+@pytest.fixture(scope="module")
+def smollm2_replica(smollm2_gguf_path, tmp_path_factory) -> Iterator[ServerProcess]:
+    """`ember serve` of SmolLM2 (served as `tiny`): JSON mode and tool calls need a model that answers."""
+    process = ServerProcess(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2") / "serve.log")
+    yield process
+    process.stop()
+
+
+def test_the_playground_answers_in_json_mode(browser, smollm2_replica):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(smollm2_replica.url + "/console")
+    connect_playground(page, "no-key-needed", "tiny")
+    page.check("#playground input[name=json_mode]")
+    reply = chat_in_playground(
+        page, "Describe a cat as a JSON object with its name and color.", max_tokens=96
+    )
+    assert isinstance(json.loads(reply), dict), reply
+    screenshot(page, "playground-json-mode", "#playground-section")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_the_playground_shows_the_tool_calls_of_a_reply(browser, smollm2_replica):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(smollm2_replica.url + "/console")
+    connect_playground(page, "no-key-needed", "tiny")
+    page.fill("#playground textarea[name=tools]", "[not json")
+    page.fill("#playground textarea[name=prompt]", "What is the weather in Paris?")
+    page.click("#chat-send")
+    page.wait_for_selector("#playground-error:text-matches('^Tools: not valid JSON')")
+    assert page.locator(".message").count() == 0  # nothing sent
+
+    page.fill("#playground textarea[name=tools]", json.dumps([WEATHER_TOOL]))
+    page.select_option("#playground select[name=tool_choice]", "required")
+    chat_in_playground(page, "What is the weather in Paris?", max_tokens=64)
+    assert page.text_content("#playground-error") == ""
+    call = page.text_content("pre[data-tool-call='get_weather']")
+    arguments = json.loads(re.fullmatch(r"get_weather\((.*)\)", call, re.DOTALL)[1])
+    assert isinstance(arguments["city"], str) and arguments["city"], call
+    screenshot(page, "serve-console")

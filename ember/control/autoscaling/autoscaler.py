@@ -8,7 +8,8 @@ has the provider start replicas, or drain and stop them (loading ones first, the
 
 It exports `ember_autoscaler_*` metrics and keeps a log of the last decisions; with
 `launch.autoscaler.port` set both are served (GET /metrics, GET /status, which `ember fleet status`
-prints).
+prints). After each round it also hands its status to the gateway (PUT /admin/autoscaler), whose web
+console shows each model's current and desired replicas and the last decisions with their reasons.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ember.control.autoscaling.policy import (
     ReplicaLoad,
     WindowLatency,
 )
-from ember.control.autoscaling.provider import ManagedReplica, ReplicaProvider, ReplicaState
+from ember.control.autoscaling.provider import GatewayAdmin, ManagedReplica, ReplicaProvider, ReplicaState
 from ember.control.autoscaling.signals import (
     HistogramWindow,
     Sample,
@@ -132,6 +133,7 @@ class Autoscaler:
         self,
         fleet: Fleet,
         provider: ReplicaProvider,
+        admin: GatewayAdmin,
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
         gateway_url: str | None = None,
@@ -140,6 +142,7 @@ class Autoscaler:
         # The local gateway `ember up` starts, unless the gateway runs elsewhere (`ember autoscale`).
         self.gateway_url = gateway_url or fleet.gateway_url
         self.provider = provider
+        self.admin = admin  # the gateway's admin API, where each round's status is reported
         self.log = log
         self.clock = clock
         self.settings = fleet.launch.autoscaler
@@ -155,6 +158,7 @@ class Autoscaler:
         self._last_reason: dict[str, str] = {}
         self._desired: dict[str, int] = {}
         self._last_step: float | None = None
+        self._report_refused: int | None = None  # the status of the gateway's last refusal of a report
         self._admitted: set[str] = set()  # replica ids whose cold start is recorded
         self._stops: set[asyncio.Task] = set()
         self._http = httpx.AsyncClient(timeout=max(1.0, self.settings.interval_s))
@@ -209,6 +213,7 @@ class Autoscaler:
             return  # the gateway stopped answering between two calls: the next round retries
         for name in self.models:
             await self._step_model(name, now, elapsed, gateway)
+        await self._report()
 
     async def _step_model(self, name: str, now: float, elapsed: float, gateway: list[Sample]) -> None:
         model = self.models[name]
@@ -288,6 +293,21 @@ class Autoscaler:
             self.log(f"autoscaler: stopping {replica.id}: the gateway did not answer the drain ({exc}); stopped anyway")
         else:
             self.log(f"autoscaler: {replica.model}: {replica.id} drained and stopped")
+
+    async def _report(self) -> None:
+        """Hands this round's status to the gateway's console. A report that fails is sent again next
+        round (meanwhile the console shows the last one's age); a refusal is logged once per status."""
+        try:
+            await self.admin.report_autoscaler(self.status())
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != self._report_refused:
+                self._report_refused = exc.response.status_code
+                self.log(f"autoscaler: the gateway refused its status report: {exc.response.status_code} "
+                         f"{exc.response.text[:200]}")  # fmt: skip
+        except httpx.HTTPError:
+            pass  # the gateway is restarting
+        else:
+            self._report_refused = None
 
     # --- bookkeeping ------------------------------------------------------------------------------
 

@@ -75,7 +75,8 @@ class ReplicaProvider(Protocol):
 
 
 class GatewayAdmin:
-    """The gateway's /admin/replicas, called with the control token `ember up` gave the gateway."""
+    """The gateway's /admin/replicas and /admin/autoscaler, called with the control token `ember up` gave
+    the gateway."""
 
     def __init__(self, gateway_url: str, control_token: str, drain_timeout_s: float):
         self.drain_timeout_s = drain_timeout_s
@@ -124,6 +125,11 @@ class GatewayAdmin:
         )
         if response.status_code != 404:  # 404: it never got registered
             response.raise_for_status()
+
+    async def report_autoscaler(self, status: dict) -> None:
+        """Hands the gateway the autoscaler's status (Autoscaler.status()), which its console shows."""
+        response = await self._client.put("/admin/autoscaler", json=status)
+        response.raise_for_status()
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -15,6 +15,7 @@ Error line: the same with the replica's or gateway's error response, or "respons
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -72,6 +73,26 @@ class BatchFinalizer:
         """After a restart: batches whose last job ended just before the gateway stopped."""
         for batch_id in await self.store.open_batch_ids():
             await self.finalize(batch_id)
+
+
+def list_limit(request: Request) -> int:
+    """The `limit` query parameter of a list route: 20 by default, at most LIST_LIMIT_MAX."""
+    limit_text = request.query_params.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
+        raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
+    return int(limit_text)
+
+
+def list_page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's list object of the first `limit` of `items` (fetched as limit + 1, to know has_more)."""
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def build_router(runtime: JobsRuntime) -> APIRouter:
@@ -145,23 +166,11 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
     @router.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
         principal = runtime.authenticate(request.headers.get("authorization"), "batch")
-        limit_text = request.query_params.get("limit", "20")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_LIMIT_MAX:
-            raise bad_request(f"'limit' must be an integer in [1, {LIST_LIMIT_MAX}].", param="limit")
-        limit = int(limit_text)
-        after = request.query_params.get("after")
-
-        batches = await runtime.batch_store.list_batches(principal.key_id, limit + 1, after)
-        page = batches[:limit]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(batches) > limit,
-            }
+        limit = list_limit(request)
+        batches = await runtime.batch_store.list_batches(
+            principal.key_id, limit + 1, request.query_params.get("after")
         )
+        return JSONResponse(list_page(batches, limit))
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
@@ -176,7 +185,9 @@ def build_router(runtime: JobsRuntime) -> APIRouter:
         principal = runtime.authenticate(request.headers.get("authorization"), "batch")
         now = runtime.now()
 
-        batch, running, cancelled = await runtime.batch_store.start_cancelling(batch_id, principal.key_id, now)
+        batch, running, cancelled = await runtime.batch_store.start_cancelling(
+            batch_id, principal.key_id, now
+        )
         runtime.metrics.finished.labels("batch", "cancelled").inc(cancelled)
         if batch is None:
             raise not_found("batch", batch_id)

@@ -380,6 +380,31 @@ class JobStore:
 
         return await self.transaction(read)
 
+    async def list_jobs(
+        self, status: JobStatus | None, kind: JobKind | None, limit: int, after: str | None
+    ) -> list[Job]:
+        """Every key's jobs (the admin's view), newest first, up to `limit`, starting after the job
+        `after`; without their webhook attempts (get_job has them)."""
+
+        def read(conn: sqlite3.Connection) -> list[Job]:
+            query, params = "SELECT * FROM jobs WHERE 1 = 1", []
+            for column, value in (("status", status), ("kind", kind)):
+                if value is not None:
+                    query += f" AND {column} = ?"
+                    params.append(value)
+            anchor = (
+                None
+                if after is None
+                else conn.execute("SELECT created_at, rowid FROM jobs WHERE id = ?", (after,)).fetchone()
+            )
+            if anchor is not None:
+                query += " AND (created_at < ? OR (created_at = ? AND rowid < ?))"
+                params += [anchor[0], anchor[0], anchor[1]]
+            query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+            return [Job.from_row(row) for row in conn.execute(query, (*params, limit))]
+
+        return await self.transaction(read)
+
     async def expire_overdue(self, now: float | None = None) -> list[Job]:
         """Queued jobs past their max time in queue become expired; returns them (for webhooks/batches)."""
         now = time.time() if now is None else now

@@ -62,8 +62,12 @@ class BatchStore:
 
     # -- files --------------------------------------------------------------------------------
 
-    async def add_file(self, key_id: str, filename: str, purpose: str, content: bytes, now: float) -> StoredFile:
-        return await self.store.transaction(lambda conn: _insert_file(conn, key_id, filename, purpose, content, now))
+    async def add_file(
+        self, key_id: str, filename: str, purpose: str, content: bytes, now: float
+    ) -> StoredFile:
+        return await self.store.transaction(
+            lambda conn: _insert_file(conn, key_id, filename, purpose, content, now)
+        )
 
     async def list_files(self, key_id: str) -> list[StoredFile]:
         def read(conn: sqlite3.Connection) -> list[StoredFile]:
@@ -88,7 +92,9 @@ class BatchStore:
 
     async def delete_file(self, file_id: str, key_id: str) -> bool:
         def delete(conn: sqlite3.Connection) -> bool:
-            return conn.execute("DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, key_id)).rowcount > 0
+            return (
+                conn.execute("DELETE FROM files WHERE id = ? AND key_id = ?", (file_id, key_id)).rowcount > 0
+            )
 
         return await self.store.transaction(delete)
 
@@ -116,15 +122,17 @@ class BatchStore:
     async def get_batch(self, batch_id: str, key_id: str) -> dict[str, Any] | None:
         return await self.store.transaction(lambda conn: _select_batch(conn, batch_id, key_id))
 
-    async def list_batches(self, key_id: str, limit: int, after: str | None) -> list[dict[str, Any]]:
-        """Up to `limit` batches, newest first, starting after the batch `after` (when it is this key's)."""
+    async def list_batches(self, key_id: str | None, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """Up to `limit` batches, newest first, starting after the batch `after` (when it is this key's);
+        `key_id` None: every key's batches (the admin's view)."""
 
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            query = "SELECT * FROM batches WHERE key_id = ?"
-            params: list[Any] = [key_id]
+            query = "SELECT * FROM batches WHERE (? IS NULL OR key_id = ?)"
+            params: list[Any] = [key_id, key_id]
             if after:
                 anchor = conn.execute(
-                    "SELECT created_at, rowid FROM batches WHERE id = ? AND key_id = ?", (after, key_id)
+                    "SELECT created_at, rowid FROM batches WHERE id = ? AND (? IS NULL OR key_id = ?)",
+                    (after, key_id, key_id),
                 ).fetchone()
                 if anchor is not None:
                     query += " AND (created_at < ? OR (created_at = ? AND rowid < ?))"
@@ -147,7 +155,9 @@ class BatchStore:
             batch = _select_batch(conn, batch_id, key_id)
             if batch is None or batch["status"] != "in_progress":
                 return batch, [], 0
-            conn.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?", (now, batch_id))
+            conn.execute(
+                "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?", (now, batch_id)
+            )
             running = [r[0] for r in conn.execute(
                 "SELECT id FROM jobs WHERE batch_id = ? AND status = 'running'", (batch_id,)
             )]  # fmt: skip
@@ -164,7 +174,10 @@ class BatchStore:
         """Batches not yet closed (in progress or cancelling)."""
         return await self.store.transaction(
             lambda conn: [
-                row[0] for row in conn.execute("SELECT id FROM batches WHERE status IN ('in_progress', 'cancelling')")
+                row[0]
+                for row in conn.execute(
+                    "SELECT id FROM batches WHERE status IN ('in_progress', 'cancelling')"
+                )
             ]
         )
 
@@ -179,7 +192,8 @@ class BatchStore:
                 return False
             # Called after every finished batch request: an indexed existence check, not a count.
             active = conn.execute(
-                "SELECT 1 FROM jobs WHERE batch_id = ? AND status IN ('queued', 'running') LIMIT 1", (batch_id,)
+                "SELECT 1 FROM jobs WHERE batch_id = ? AND status IN ('queued', 'running') LIMIT 1",
+                (batch_id,),
             ).fetchone()
             if active is not None:
                 return False
@@ -196,7 +210,9 @@ class BatchStore:
                 if not lines:
                     return None
                 content = b"\n".join(lines) + b"\n"
-                return _insert_file(conn, row["key_id"], f"{batch_id}_{suffix}.jsonl", "batch_output", content, now).id
+                return _insert_file(
+                    conn, row["key_id"], f"{batch_id}_{suffix}.jsonl", "batch_output", content, now
+                ).id
 
             output_file_id, error_file_id = write(output, "output"), write(errors, "error")
             if row["status"] == "cancelling":
@@ -219,7 +235,9 @@ _FILE_COLUMNS = "id, key_id, filename, purpose, bytes, created_at"
 
 
 def stored_file(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(row["id"], row["key_id"], row["filename"], row["purpose"], row["bytes"], row["created_at"])
+    return StoredFile(
+        row["id"], row["key_id"], row["filename"], row["purpose"], row["bytes"], row["created_at"]
+    )
 
 
 def _insert_file(
@@ -246,7 +264,9 @@ def _select_content(conn: sqlite3.Connection, file_id: str, key_id: str) -> byte
 
 
 def _job_counts(conn: sqlite3.Connection, batch_id: str) -> dict[str, int]:
-    return dict(conn.execute("SELECT status, COUNT(*) FROM jobs WHERE batch_id = ? GROUP BY status", (batch_id,)))
+    return dict(
+        conn.execute("SELECT status, COUNT(*) FROM jobs WHERE batch_id = ? GROUP BY status", (batch_id,))
+    )
 
 
 def _select_batch(conn: sqlite3.Connection, batch_id: str, key_id: str) -> dict[str, Any] | None:

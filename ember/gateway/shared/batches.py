@@ -81,22 +81,24 @@ class SharedBatchStore:
         async with self.pool.acquire() as connection:
             return await _select_batch(connection, batch_id, key_id)
 
-    async def list_batches(self, key_id: str, limit: int, after: str | None) -> list[dict[str, Any]]:
+    async def list_batches(self, key_id: str | None, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """As BatchStore.list_batches: `key_id` None lists every key's batches (the admin's view)."""
         async with self.pool.acquire() as connection:
             anchor = None
             if after:
                 anchor = await connection.fetchrow(
-                    "SELECT created_at, seq FROM batches WHERE id = $1 AND key_id = $2", after, key_id
-                )
+                    "SELECT created_at, seq FROM batches WHERE id = $1 AND ($2::text IS NULL OR key_id = $2)",
+                    after, key_id,
+                )  # fmt: skip
             if anchor is None:
                 rows = await connection.fetch(
-                    "SELECT * FROM batches WHERE key_id = $1 ORDER BY created_at DESC, seq DESC LIMIT $2",
-                    key_id,
-                    limit,
-                )
+                    "SELECT * FROM batches WHERE ($1::text IS NULL OR key_id = $1)"
+                    " ORDER BY created_at DESC, seq DESC LIMIT $2",
+                    key_id, limit,
+                )  # fmt: skip
             else:
                 rows = await connection.fetch(
-                    "SELECT * FROM batches WHERE key_id = $1 AND (created_at, seq) < ($2, $3)"
+                    "SELECT * FROM batches WHERE ($1::text IS NULL OR key_id = $1) AND (created_at, seq) < ($2, $3)"
                     " ORDER BY created_at DESC, seq DESC LIMIT $4",
                     key_id, anchor["created_at"], anchor["seq"], limit,
                 )  # fmt: skip

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 
-from ember.gateway.jobs.store import Job, JobStatus, NewJob, WebhookAttempt, queued_job
+from ember.gateway.jobs.store import Job, JobKind, JobStatus, NewJob, WebhookAttempt, queued_job
 from ember.gateway.shared.connection import POSTGRES_ERRORS, SharedState
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,23 @@ class SharedJobStore:
             WebhookAttempt(r["attempt"], r["at"], r["status_code"], r["error"]) for r in attempts
         ]
         return job
+
+    async def list_jobs(
+        self, status: JobStatus | None, kind: JobKind | None, limit: int, after: str | None
+    ) -> list[Job]:
+        """As JobStore.list_jobs: every key's jobs, newest first, after the job `after`."""
+        async with self.pool.acquire() as connection:
+            anchor = None
+            if after is not None:
+                anchor = await connection.fetchrow("SELECT created_at, seq FROM jobs WHERE id = $1", after)
+            rows = await connection.fetch(
+                "SELECT * FROM jobs WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR kind = $2)"
+                " AND ($3::double precision IS NULL OR (created_at, seq) < ($3, $4))"
+                " ORDER BY created_at DESC, seq DESC LIMIT $5",
+                status, kind, None if anchor is None else anchor["created_at"],
+                None if anchor is None else anchor["seq"], limit,
+            )  # fmt: skip
+        return [Job.from_row(row) for row in rows]
 
     async def expire_overdue(self, now: float | None = None) -> list[Job]:
         """The sweeper's pass: queued jobs past their max time in queue expire, and jobs whose lease
