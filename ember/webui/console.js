@@ -145,35 +145,76 @@ function showToolCalls(box, calls) {
     element("pre", { "data-tool-call": call.function.name }, `${call.function.name}(${call.function.arguments})`)));
 }
 
+// A reply that called tools asks the user for each tool's result; sending them continues the
+// conversation as OpenAI's `role: "tool"` messages, answering the assistant's tool_calls message.
+function askForToolResults(form, key, calls) {
+  const fields = calls.map((call) =>
+    element("label", {}, `Result of ${call.function.name} (${call.id})`,
+      element("textarea", { rows: 2, spellcheck: "false", "data-tool-result": call.id })));
+  const box = element("div", { class: "message tool-results" }, ...fields,
+    element("button", { type: "button", id: "tool-results-send" }, "Send tool results"));
+  box.querySelector("button").addEventListener("click", async () => {
+    showError("#playground-error");
+    const results = calls.map((call) => ({
+      role: "tool", tool_call_id: call.id, content: box.querySelector(`textarea[data-tool-result="${call.id}"]`).value,
+    }));
+    const missing = calls.find((call, index) => !results[index].content.trim());
+    if (missing) {
+      showError("#playground-error", `Tool results: enter the result of ${missing.function.name} (${missing.id})`);
+      return;
+    }
+    const bubbles = results.map((result, index) =>
+      element("div", { class: "message tool", "data-tool-call-id": result.tool_call_id }, `${calls[index].function.name} → ${result.content}`));
+    box.replaceWith(...bubbles);
+    try {
+      await converse(form, key, results, bubbles);
+    } catch (error) {
+      showError("#playground-error", error);
+    }
+  });
+  $("#chat-log").append(box);
+}
+
 async function sendChat(form, key) {
   const prompt = form.prompt.value.trim();
   if (!prompt) return;
+  parseTools(form.tools.value); // a mistake in the tools stops here, before anything is shown or sent
+  const bubble = element("div", { class: "message user" }, prompt);
+  $("#chat-log").append(bubble);
+  form.prompt.value = "";
+  await converse(form, key, [{ role: "user", content: prompt }], [bubble]);
+}
+
+// Adds `messages` (shown as `bubbles`) to the conversation and streams the model's reply to it. A
+// refused request takes them back out, so the next try does not send them twice.
+async function converse(form, key, messages, bubbles) {
   const tools = parseTools(form.tools.value);
   const log = $("#chat-log");
-  conversation.push({ role: "user", content: prompt });
-  log.append(element("div", { class: "message user" }, prompt));
-  const reply = element("div", { class: "message assistant", "data-streaming": "true" });
+  conversation.push(...messages);
+  // The reply's text and its tool calls share the assistant's bubble: a reply that only calls tools
+  // shows its calls there rather than an empty bubble.
+  const text = element("span", { class: "content" });
+  const callsBox = element("div", { class: "tool-calls" });
+  const reply = element("div", { class: "message assistant", "data-streaming": "true" }, text);
   log.append(reply);
-  form.prompt.value = "";
-  const messages = form.system.value ? [{ role: "system", content: form.system.value }, ...conversation] : [...conversation];
+  const system = form.system.value ? [{ role: "system", content: form.system.value }] : [];
   const body = {
-    model: form.model.value, messages, stream: true, stream_options: { include_usage: true },
+    model: form.model.value, messages: [...system, ...conversation], stream: true, stream_options: { include_usage: true },
     temperature: Number(form.temperature.value), top_p: Number(form.top_p.value), max_tokens: Number(form.max_tokens.value),
   };
   if (form.json_mode.checked) body.response_format = { type: "json_object" };
   if (tools) Object.assign(body, { tools, tool_choice: form.tool_choice.value });
   const started = performance.now();
-  let firstTokenAt = null, tokens = 0, text = "";
+  let firstTokenAt = null, tokens = 0;
   const calls = [];
-  const callsBox = element("div", { class: "message tool-calls" });
   const response = await fetch("/v1/chat/completions", {
     method: "POST", headers: { authorization: "Bearer " + key, "content-type": "application/json" }, body: JSON.stringify(body),
   });
   if (!response.ok) {
     const error = await response.json().catch(() => ({}));
-    reply.textContent = "Error: " + (error?.error?.message || `HTTP ${response.status}`);
+    text.textContent = "Error: " + (error?.error?.message || `HTTP ${response.status}`);
     reply.dataset.streaming = "false";
-    conversation.pop();
+    conversation.splice(conversation.length - messages.length);
     return;
   }
   const reader = response.body.getReader();
@@ -190,23 +231,22 @@ async function sendChat(form, key) {
       const data = event.split("\n").filter((line) => line.startsWith("data: ")).map((line) => line.slice(6)).join("\n");
       if (!data || data === "[DONE]") continue;
       const chunk = JSON.parse(data);
-      if (chunk.error) { text += "\n[error: " + chunk.error.message + "]"; continue; }
+      if (chunk.error) { text.textContent += "\n[error: " + chunk.error.message + "]"; continue; }
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
       const delta = chunk.choices?.[0]?.delta;
       if (delta?.content || delta?.tool_calls) firstTokenAt ??= performance.now();
-      if (delta?.content) {
-        text += delta.content;
-        reply.textContent = text;
-      }
+      if (delta?.content) text.textContent += delta.content;
       if (delta?.tool_calls) {
         addToolCallDeltas(calls, delta.tool_calls);
-        if (!callsBox.isConnected) reply.after(callsBox);
+        if (!callsBox.isConnected) reply.append(callsBox);
         showToolCalls(callsBox, calls);
       }
     }
   }
   reply.dataset.streaming = "false";
-  conversation.push(calls.length ? { role: "assistant", content: text || null, tool_calls: calls } : { role: "assistant", content: text });
+  const content = text.textContent;
+  conversation.push(calls.length ? { role: "assistant", content: content || null, tool_calls: calls } : { role: "assistant", content });
+  if (calls.length) askForToolResults(form, key, calls);
   const seconds = (performance.now() - (firstTokenAt ?? started)) / 1000;
   const ttft = firstTokenAt === null ? "–" : ((firstTokenAt - started) / 1000).toFixed(3) + " s";
   $("#chat-stats").textContent = `TTFT ${ttft} · ${tokens} tokens · ${tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s`;

@@ -304,11 +304,66 @@ def test_the_playground_shows_the_tool_calls_of_a_reply(browser, smollm2_replica
     page.wait_for_selector("#playground-error:text-matches('^Tools: not valid JSON')")
     assert page.locator(".message").count() == 0  # nothing sent
 
+    call = call_the_weather_tool(page)
+    # The reply is only a tool call: the assistant's bubble shows it, rather than being empty.
+    assert page.text_content(".message.assistant") == f"get_weather({call['function']['arguments']})"
+    screenshot(page, "serve-console")
+
+
+def call_the_weather_tool(page) -> dict:
+    """Asks the playground for the weather with get_weather required; returns the call the page shows."""
     page.fill("#playground textarea[name=tools]", json.dumps([WEATHER_TOOL]))
     page.select_option("#playground select[name=tool_choice]", "required")
-    chat_in_playground(page, "What is the weather in Paris?", max_tokens=64)
+    with page.expect_request(chat_request) as sent:
+        chat_in_playground(page, "What is the weather in Paris?", max_tokens=64)
     assert page.text_content("#playground-error") == ""
-    call = page.text_content("pre[data-tool-call='get_weather']")
-    arguments = json.loads(re.fullmatch(r"get_weather\((.*)\)", call, re.DOTALL)[1])
-    assert isinstance(arguments["city"], str) and arguments["city"], call
-    screenshot(page, "serve-console")
+    shown = page.text_content(".message.assistant pre[data-tool-call='get_weather']")
+    arguments = json.loads(re.fullmatch(r"get_weather\((.*)\)", shown, re.DOTALL)[1])
+    assert isinstance(arguments["city"], str) and arguments["city"], shown
+    assert sent.value.post_data_json["messages"] == [{"role": "user", "content": "What is the weather in Paris?"}]
+    (field,) = page.locator("textarea[data-tool-result]").all()
+    return {"id": field.get_attribute("data-tool-result"), "type": "function",
+            "function": {"name": "get_weather", "arguments": shown[len("get_weather("):-1]}}  # fmt: skip
+
+
+def chat_request(request) -> bool:
+    return request.method == "POST" and request.url.endswith("/v1/chat/completions")
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto"])
+def test_the_playground_sends_tool_results_back_and_shows_the_answer(browser, smollm2_replica, tool_choice):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(smollm2_replica.url + "/console")
+    connect_playground(page, "no-key-needed", "tiny")
+    call = call_the_weather_tool(page)
+
+    page.click("#tool-results-send")  # no result entered yet: nothing is sent
+    page.wait_for_selector("#playground-error:text-matches('^Tool results: enter the result of get_weather')")
+    assert page.locator(".message.assistant").count() == 1
+
+    result = json.dumps({"city": "Paris", "temperature_c": 21, "sky": "sunny"})
+    page.fill(f"textarea[data-tool-result='{call['id']}']", result)
+    page.select_option("#playground select[name=tool_choice]", tool_choice)
+    with page.expect_request(chat_request) as sent:
+        page.click("#tool-results-send")
+    page.wait_for_selector(".message.assistant[data-streaming='false'] >> nth=1", timeout=60_000)
+    body = sent.value.post_data_json
+    # The conversation continues: the question, the assistant's tool call, and the tool's result for it.
+    assert body["messages"] == [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": result},
+    ]
+    assert body["tool_choice"] == tool_choice
+    assert page.text_content(f".message.tool[data-tool-call-id='{call['id']}']") == f"get_weather → {result}"
+
+    # The same request through the API, not streamed and greedy: the page showed the model's exact answer.
+    request = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
+    answer = http.post(smollm2_replica.url + "/v1/chat/completions", json=request).json()["choices"][0]["message"]
+    expected = (answer["content"] or "") + "".join(
+        f"{c['function']['name']}({c['function']['arguments']})" for c in answer.get("tool_calls") or []
+    )
+    assert expected and page.locator(".message.assistant").nth(1).text_content() == expected
+    if tool_choice == "none":
+        assert answer["content"] and not answer.get("tool_calls"), answer
+        screenshot(page, "playground-tool-results", "#playground-section")
