@@ -2,7 +2,7 @@
 model `tiny` is autoscaled (min 1, max 2, real `ember serve` replicas of a tiny model); its autoscaler
 reports each round to the gateway, and the console's fleet view shows the model's current and desired
 replicas, the decision that started the first replica and, after a burst of requests, the one that
-wants a second, each with its reason; and the burst in the charts."""
+wants a second, each with its reason; and the burst, then steady traffic, in the charts."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 USER_KEY = "sk-test"
 START_TIMEOUT_S = 240  # `ember up`, its gateway and the first replica on a loaded 2-core machine
+SPREAD_S = 60  # the steady traffic after the burst: twelve of the series' 5-second buckets
 
 
 class AutoscaledFleet:
@@ -134,7 +135,21 @@ def test_the_fleet_view_shows_the_autoscalers_counts_and_decisions(browser, flee
         "#models tr[data-model='tiny'] td.autoscaler[data-desired='2']", timeout=timeout_ms
     )
     screenshot(page, "gateway-fleet", "#fleet-section")
-    # The burst in the charts: its requests, their first-token and inter-token latencies, the queue.
+    # Then steady traffic, one request after another for SPREAD_S, so the charts draw lines through
+    # a dozen buckets rather than the burst's lone dot.
+    spread_until, index = time.monotonic() + SPREAD_S, 0
+    while time.monotonic() < spread_until:
+        assert ask(stream=index % 2 == 0)
+        index += 1
+        time.sleep(1)
+    page.wait_for_function(
+        """(buckets) => document.querySelectorAll(
+            "figure[data-chart='Requests'] g[data-series='200'] circle").length >= buckets""",
+        arg=SPREAD_S // 5 - 1,
+        timeout=15_000,
+    )
+    # The burst and the steady traffic in the charts: requests, first-token and inter-token
+    # latencies, the queue.
     charts = (
         ("Requests", "200"),
         ("Inter-token latency", "p90"),
