@@ -320,7 +320,8 @@ def call_the_weather_tool(page) -> dict:
     shown = page.text_content(".message.assistant pre[data-tool-call='get_weather']")
     arguments = json.loads(re.fullmatch(r"get_weather\((.*)\)", shown, re.DOTALL)[1])
     assert isinstance(arguments["city"], str) and arguments["city"], shown
-    assert sent.value.post_data_json["messages"] == [{"role": "user", "content": "What is the weather in Paris?"}]
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    assert sent.value.post_data_json["messages"] == [question]
     (field,) = page.locator("textarea[data-tool-result]").all()
     return {"id": field.get_attribute("data-tool-result"), "type": "function",
             "function": {"name": "get_weather", "arguments": shown[len("get_weather("):-1]}}  # fmt: skip
@@ -359,7 +360,8 @@ def test_the_playground_sends_tool_results_back_and_shows_the_answer(browser, sm
 
     # The same request through the API, not streamed and greedy: the page showed the model's exact answer.
     request = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
-    answer = http.post(smollm2_replica.url + "/v1/chat/completions", json=request).json()["choices"][0]["message"]
+    answered = http.post(smollm2_replica.url + "/v1/chat/completions", json=request).json()
+    answer = answered["choices"][0]["message"]
     expected = (answer["content"] or "") + "".join(
         f"{c['function']['name']}({c['function']['arguments']})" for c in answer.get("tool_calls") or []
     )
