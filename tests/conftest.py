@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -68,6 +69,23 @@ def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(path)
     return path
+
+
+# What a test run itself leaves in the working directory: pytest's and Hypothesis's caches.
+TEST_RUN_CACHES = {".pytest_cache", ".hypothesis", "__pycache__"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def working_directory_stays_clean() -> Iterator[None]:
+    """Fails the run if a test left a file in the working directory (the repository, run as documented):
+    a server a test starts there writes its defaults there, e.g. the gateway's ./ember-jobs.db."""
+    folder = Path.cwd()
+    before = set(os.listdir(folder))
+    yield
+    left = sorted(set(os.listdir(folder)) - before - TEST_RUN_CACHES)
+    assert not left, (
+        f"the tests left {left} in {folder}: start `ember up` / `ember gateway` with cwd=tmp_path"
+    )
 
 
 @pytest.fixture(scope="session")

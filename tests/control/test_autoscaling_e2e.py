@@ -91,6 +91,7 @@ class AutoscaledFleet:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "up", str(self.path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=tmp_path,  # where the gateway keeps its default job store (./ember-jobs.db)
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)

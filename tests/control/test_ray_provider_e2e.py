@@ -95,6 +95,7 @@ def gateway(fleet_file: Path):
          "--port", str(port)],
         # As `ember up` starts it: the control token, and the fleet credential its replicas require.
         env={**os.environ, CONTROL_TOKEN_ENV: TOKEN, FLEET_CREDENTIAL_ENV: fleet.credential},
+        cwd=fleet_file.parent,  # the test's folder, where the gateway keeps its default job store
     )  # fmt: skip
     yield fleet
     process.terminate()
@@ -239,7 +240,7 @@ def test_ember_up_with_a_ray_section_runs_the_autoscaled_replica_as_a_ray_actor(
     fleet = load_fleet(fleet_file)
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "up", str(fleet_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+        text=True, cwd=fleet_file.parent,  # the test's folder, where the gateway keeps its default job store
     )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)

@@ -23,7 +23,10 @@ def start_gateway(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     command = [sys.executable, "-m", "ember.cli", "gateway", "--config", str(path), "--port", str(port), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # In the test's folder, where the gateway keeps its default job store (./ember-jobs.db).
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
     return process, f"http://127.0.0.1:{port}"
 
 

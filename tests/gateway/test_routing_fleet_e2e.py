@@ -106,7 +106,8 @@ class Fleet:
         path = tmp_path / "fleet.yaml"
         path.write_text(yaml.safe_dump(config))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "up", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-m", "ember.cli", "up", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=tmp_path,  # where the gateway keeps its default job store (./ember-jobs.db)
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
