@@ -193,7 +193,7 @@ async function converse(form, key, messages, bubbles) {
   conversation.push(...messages);
   // The reply's text and its tool calls share the assistant's bubble: a reply that only calls tools
   // shows its calls there rather than an empty bubble.
-  const text = element("span", { class: "content" });
+  const text = document.createTextNode(""); // the bubble's own text: the reply, as selectors see it
   const callsBox = element("div", { class: "tool-calls" });
   const reply = element("div", { class: "message assistant", "data-streaming": "true" }, text);
   log.append(reply);
@@ -212,7 +212,7 @@ async function converse(form, key, messages, bubbles) {
   });
   if (!response.ok) {
     const error = await response.json().catch(() => ({}));
-    text.textContent = "Error: " + (error?.error?.message || `HTTP ${response.status}`);
+    text.data = "Error: " + (error?.error?.message || `HTTP ${response.status}`);
     reply.dataset.streaming = "false";
     conversation.splice(conversation.length - messages.length);
     return;
@@ -231,11 +231,11 @@ async function converse(form, key, messages, bubbles) {
       const data = event.split("\n").filter((line) => line.startsWith("data: ")).map((line) => line.slice(6)).join("\n");
       if (!data || data === "[DONE]") continue;
       const chunk = JSON.parse(data);
-      if (chunk.error) { text.textContent += "\n[error: " + chunk.error.message + "]"; continue; }
+      if (chunk.error) { text.data += "\n[error: " + chunk.error.message + "]"; continue; }
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
       const delta = chunk.choices?.[0]?.delta;
       if (delta?.content || delta?.tool_calls) firstTokenAt ??= performance.now();
-      if (delta?.content) text.textContent += delta.content;
+      if (delta?.content) text.data += delta.content;
       if (delta?.tool_calls) {
         addToolCallDeltas(calls, delta.tool_calls);
         if (!callsBox.isConnected) reply.append(callsBox);
@@ -244,7 +244,7 @@ async function converse(form, key, messages, bubbles) {
     }
   }
   reply.dataset.streaming = "false";
-  const content = text.textContent;
+  const content = text.data;
   conversation.push(calls.length ? { role: "assistant", content: content || null, tool_calls: calls } : { role: "assistant", content });
   if (calls.length) askForToolResults(form, key, calls);
   const seconds = (performance.now() - (firstTokenAt ?? started)) / 1000;
