@@ -155,6 +155,8 @@ function askForToolResults(form, key, calls) {
     element("button", { type: "button", id: "tool-results-send" }, "Send tool results"));
   box.querySelector("button").addEventListener("click", async () => {
     showError("#playground-error");
+    let tools;
+    try { tools = parseTools(form.tools.value); } catch (error) { showError("#playground-error", error); return; }
     const results = calls.map((call) => ({
       role: "tool", tool_call_id: call.id, content: box.querySelector(`textarea[data-tool-result="${call.id}"]`).value,
     }));
@@ -166,10 +168,9 @@ function askForToolResults(form, key, calls) {
     const bubbles = results.map((result, index) =>
       element("div", { class: "message tool", "data-tool-call-id": result.tool_call_id }, `${calls[index].function.name} → ${result.content}`));
     box.replaceWith(...bubbles);
-    try {
-      await converse(form, key, results, bubbles);
-    } catch (error) {
-      showError("#playground-error", error);
+    if (!(await converse(form, key, tools, results))) { // refused: the results can be sent again
+      bubbles[0].before(box);
+      bubbles.forEach((bubble) => bubble.remove());
     }
   });
   $("#chat-log").append(box);
@@ -178,17 +179,15 @@ function askForToolResults(form, key, calls) {
 async function sendChat(form, key) {
   const prompt = form.prompt.value.trim();
   if (!prompt) return;
-  parseTools(form.tools.value); // a mistake in the tools stops here, before anything is shown or sent
-  const bubble = element("div", { class: "message user" }, prompt);
-  $("#chat-log").append(bubble);
+  const tools = parseTools(form.tools.value); // a mistake stops here, before anything is shown or sent
+  $("#chat-log").append(element("div", { class: "message user" }, prompt));
   form.prompt.value = "";
-  await converse(form, key, [{ role: "user", content: prompt }], [bubble]);
+  await converse(form, key, tools, [{ role: "user", content: prompt }]);
 }
 
-// Adds `messages` (shown as `bubbles`) to the conversation and streams the model's reply to it. A
+// Adds `messages` to the conversation and streams the model's reply to them; true once answered. A
 // refused request takes them back out, so the next try does not send them twice.
-async function converse(form, key, messages, bubbles) {
-  const tools = parseTools(form.tools.value);
+async function converse(form, key, tools, messages) {
   const log = $("#chat-log");
   conversation.push(...messages);
   // The reply's text and its tool calls share the assistant's bubble: a reply that only calls tools
@@ -207,15 +206,23 @@ async function converse(form, key, messages, bubbles) {
   const started = performance.now();
   let firstTokenAt = null, tokens = 0;
   const calls = [];
-  const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: { authorization: "Bearer " + key, "content-type": "application/json" }, body: JSON.stringify(body),
-  });
-  if (!response.ok) {
-    const error = await response.json().catch(() => ({}));
-    text.data = "Error: " + (error?.error?.message || `HTTP ${response.status}`);
+  const refused = (message) => {
+    text.data = "Error: " + message;
     reply.dataset.streaming = "false";
     conversation.splice(conversation.length - messages.length);
-    return;
+    return false;
+  };
+  let response;
+  try {
+    response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: { authorization: "Bearer " + key, "content-type": "application/json" }, body: JSON.stringify(body),
+    });
+  } catch (error) {
+    return refused(error.message);
+  }
+  if (!response.ok) {
+    const error = await response.json().catch(() => ({}));
+    return refused(error?.error?.message || `HTTP ${response.status}`);
   }
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
@@ -250,6 +257,7 @@ async function converse(form, key, messages, bubbles) {
   const seconds = (performance.now() - (firstTokenAt ?? started)) / 1000;
   const ttft = firstTokenAt === null ? "–" : ((firstTokenAt - started) / 1000).toFixed(3) + " s";
   $("#chat-stats").textContent = `TTFT ${ttft} · ${tokens} tokens · ${tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s`;
+  return true;
 }
 
 function setUpPlayground() {

@@ -369,3 +369,30 @@ def test_the_playground_sends_tool_results_back_and_shows_the_answer(browser, sm
     if tool_choice == "none":
         assert answer["content"] and not answer.get("tool_calls"), answer
         screenshot(page, "playground-tool-results", "#playground-section")
+
+
+def test_tool_results_the_server_refuses_can_be_sent_again(browser, smollm2_replica):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(smollm2_replica.url + "/console")
+    connect_playground(page, "no-key-needed", "tiny")
+    call = call_the_weather_tool(page)
+    result_field = f"textarea[data-tool-result='{call['id']}']"
+    page.fill(result_field, "sunny, 21 C")
+    page.select_option("#playground select[name=tool_choice]", "none")
+
+    page.fill("#playground input[name=max_tokens]", "0")  # the server refuses it with a 400
+    page.click("#tool-results-send")
+    page.wait_for_selector(".message.assistant[data-streaming='false'] >> nth=1")
+    refusal = page.locator(".message.assistant").nth(1).text_content()
+    assert refusal.startswith("Error: ") and "max_tokens" in refusal, refusal
+    # The results are back on the page, as typed, and were taken out of the conversation.
+    assert page.input_value(result_field) == "sunny, 21 C"
+    assert page.locator(".message.tool").count() == 0
+
+    page.fill("#playground input[name=max_tokens]", "32")
+    with page.expect_request(chat_request) as sent:
+        page.click("#tool-results-send")
+    page.wait_for_selector(".message.assistant[data-streaming='false'] >> nth=2", timeout=60_000)
+    roles = [message["role"] for message in sent.value.post_data_json["messages"]]
+    assert roles == ["user", "assistant", "tool"]  # the refused try's tool message is not sent twice
+    assert page.locator(".message.assistant").nth(2).text_content()
