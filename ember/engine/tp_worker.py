@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ember.engine.args import EngineArgs, parse_cpu_bind
+from ember.engine.model_runner import ModelRunner
 from ember.engine.parallel import COLLECTIVE_TIMEOUT, ShardLayout, TensorParallelError, TensorParallelGroup
 from ember.engine.resources import resolve_device
 from ember.engine.shm_allreduce import ShmAllReduce, shm_path
+from ember.loader import load_model
 from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -149,12 +151,16 @@ def _shm_allreduce(path: str, args: EngineArgs, config: ModelConfig, rank: int,
     return ShmAllReduce(path, rank, args.tensor_parallel_size, max_bytes, rank == 0, peers_alive)
 
 
+def _load_shard(args: EngineArgs, device: torch.device, group: TensorParallelGroup) -> ModelRunner:
+    """This rank's runner, holding only its slice of the weights (read from the checkpoint's memory map, which
+    is closed when the loaded model goes out of scope here)."""
+    loaded = load_model(args.model, dtype=args.dtype, device=device)
+    return ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
+
+
 def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: int,
                  cores: list[int] | None, shm_file: str | None, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    from ember.engine.model_runner import ModelRunner
-    from ember.loader import load_model
-
     if cores is not None:
         bind_to_cores(cores)
     device = resolve_device(args.device)
@@ -169,8 +175,6 @@ def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: i
     shm = None if shm_file is None else _shm_allreduce(shm_file, args, config, rank,
                                                        lambda: os.getppid() == engine_pid)
     group = TensorParallelGroup(ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device, shm)
-    loaded = load_model(args.model, dtype=args.dtype, device=device)
-    runner = ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
-    loaded.state_dict.clear()  # only the shard's copies stay
+    runner = _load_shard(args, device, group)
     group.barrier()  # every rank loaded: rank 0 may start stepping
     runner.run_worker_loop()
