@@ -42,6 +42,9 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.sources  # Mapping's default would read the tensor
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)
 
