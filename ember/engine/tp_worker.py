@@ -152,8 +152,7 @@ def _shm_allreduce(path: str, args: EngineArgs, config: ModelConfig, rank: int,
 
 
 def _load_shard(args: EngineArgs, device: torch.device, group: TensorParallelGroup) -> ModelRunner:
-    """This rank's runner, holding only its slice of the weights (read from the checkpoint's memory map, which
-    is closed when the loaded model goes out of scope here)."""
+    """This rank's runner, holding only its slice of the weights (the loader reads nothing else)."""
     loaded = load_model(args.model, dtype=args.dtype, device=device)
     return ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
 
