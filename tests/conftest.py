@@ -52,8 +52,9 @@ TINY_LLAMA_CONFIG = dict(
 )
 
 
-def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
-    """A Hugging Face folder with a random-weight Llama and SmolLM2's real tokenizer + chat template."""
+def build_tiny_model_dir(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A Hugging Face folder with a random-weight Llama (weights stored in `dtype`) and SmolLM2's real
+    tokenizer + chat template."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -64,7 +65,7 @@ def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
         for param in model.parameters():
             if param.dim() > 1:
                 param.mul_(4.0)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(path)

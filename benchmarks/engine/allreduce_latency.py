@@ -24,7 +24,13 @@ def rank_main(rank: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     gloo = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
-    shm = ShmAllReduce(path, rank, 2, max(ROWS) * HIDDEN * 4, create=rank == 0, peers_alive=lambda: True)
+    slot_bytes = max(ROWS) * HIDDEN * 4
+    # Rank 0 creates the file before rank 1 maps it (as the engine does).
+    shm = (
+        ShmAllReduce(path, rank, 2, slot_bytes, create=True, peers_alive=lambda: True) if rank == 0 else None
+    )
+    gloo.allreduce([torch.zeros(1)]).wait()
+    shm = shm or ShmAllReduce(path, rank, 2, slot_bytes, create=False, peers_alive=lambda: True)
     gloo.allreduce([torch.zeros(1)]).wait()
     if rank == 0:
         shm.unlink()
@@ -37,8 +43,10 @@ def rank_main(rank: int, port: int, path: str) -> None:
             for _ in range(CALLS):
                 reduce(tensor)
             if rank == 0:
-                print(f"{name} [{rows}, {HIDDEN}] float32: {1e6 * (time.perf_counter() - started) / CALLS:.1f} us",
-                      flush=True)
+                print(
+                    f"{name} [{rows}, {HIDDEN}] float32: {1e6 * (time.perf_counter() - started) / CALLS:.1f} us",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ class LLMEngine:
         try:
             self.runner = ModelRunner(loaded.config, loaded.state_dict, args,
                                       None if self.workers is None else self.workers.group)
-            loaded.state_dict.clear()  # the runner holds the weights now; drop the loader's references
             if self.workers is not None:
                 self._run_collective(self.workers.wait_until_loaded)
         except BaseException:

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from ember.engine.args import EngineArgs
+from ember.engine.load_memory import measure_load
 from ember.engine.parallel import TensorParallelGroup
-from ember.engine.resources import GiB, num_kv_blocks, resolve_device
+from ember.engine.resources import GiB, MiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -53,8 +54,12 @@ class ModelRunner:
         self.block_size = args.block_size
         self.tp = tp
         self.model = build_model(config, self.device, tp)
-        self.model.load_weights(state_dict)
+        self.load_memory = measure_load(self.model, lambda: self.model.load_weights(state_dict))
         layout = self.model.layout
+        peak = self.load_memory.peak_growth_bytes
+        logger.info("rank %d of %d loaded %.1f MiB of weights; resident memory peaked %s MiB above its level "
+                    "before loading", layout.rank, layout.size, self.load_memory.weight_bytes / MiB,
+                    "?" if peak is None else f"{peak / MiB:.1f}")
         self.native = load_native_kernels(
             args.kernels, self.device, self.dtype, (config.hidden_size, layout.intermediate_size), config.head_dim,
             layout.num_heads // layout.num_kv_heads,

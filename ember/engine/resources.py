@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the CLI imports this module for its defaults on hosts witho
 
     from ember.models.config import ModelConfig
 
+MiB = 1 << 20
 GiB = 1 << 30
 # Without --max-model-len: the model's max_position_embeddings, capped at this.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ember.engine.args import EngineArgs, parse_cpu_bind
+from ember.engine.model_runner import ModelRunner
 from ember.engine.parallel import COLLECTIVE_TIMEOUT, ShardLayout, TensorParallelError, TensorParallelGroup
 from ember.engine.resources import resolve_device
 from ember.engine.shm_allreduce import ShmAllReduce, shm_path
+from ember.loader import load_model
 from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -53,8 +55,9 @@ class TensorParallelWorkers:
         size = args.tensor_parallel_size
         self.device = resolve_device(args.device)
         cores = rank_cores(args) if self.device.type == "cpu" else None
-        store = dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            LOOPBACK, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+        )
         self.failure: str | None = None
         self._stopping = False
         use_shm = self.device.type == "cpu" and args.tensor_parallel_all_reduce == "shm"
@@ -67,16 +70,26 @@ class TensorParallelWorkers:
             raise
         self._store = store  # the workers' rendezvous: lives as long as the group
 
-    def _start(self, args: EngineArgs, config: ModelConfig, store: dist.TCPStore,
-               cores: list[list[int]] | None) -> TensorParallelGroup:
+    def _start(
+        self, args: EngineArgs, config: ModelConfig, store: dist.TCPStore, cores: list[list[int]] | None
+    ) -> TensorParallelGroup:
         size, path = args.tensor_parallel_size, self._shm_file
         shm = None if path is None else _shm_allreduce(path, args, config, 0, lambda: self.failure is None)
         context = multiprocessing.get_context("spawn")
         for rank in range(1, size):
             process = context.Process(
-                target=_worker_main, name=f"ember-tp-rank{rank}", daemon=True,
-                args=(rank, args, config, store.port, None if cores is None else cores[rank], path,
-                      logging.getLogger().getEffectiveLevel()),  # the workers log as the engine's process does
+                target=_worker_main,
+                name=f"ember-tp-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    args,
+                    config,
+                    store.port,
+                    None if cores is None else cores[rank],
+                    path,
+                    logging.getLogger().getEffectiveLevel(),
+                ),  # the workers log as the engine's process does
             )
             process.start()
             self.processes.append(process)
@@ -115,9 +128,13 @@ class TensorParallelWorkers:
             process.join(timeout=1.0)  # the exit is usually already there; give it a moment
             if process.exitcode is not None:
                 # The supervisor's thread may not have run yet: the engine's failure is set from here too.
-                self.failure = self.failure or f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
-                return TensorParallelError(f"tensor-parallel worker {process.name} (pid {process.pid}) exited "
-                                           f"with code {process.exitcode}: {error}")
+                self.failure = (
+                    self.failure or f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
+                )
+                return TensorParallelError(
+                    f"tensor-parallel worker {process.name} (pid {process.pid}) exited "
+                    f"with code {process.exitcode}: {error}"
+                )
         return error
 
     def _watch(self) -> None:
@@ -142,35 +159,50 @@ class TensorParallelWorkers:
                 process.join()
 
 
-def _shm_allreduce(path: str, args: EngineArgs, config: ModelConfig, rank: int,
-                   peers_alive: Callable[[], bool]) -> ShmAllReduce:
+def _shm_allreduce(
+    path: str, args: EngineArgs, config: ModelConfig, rank: int, peers_alive: Callable[[], bool]
+) -> ShmAllReduce:
     # The largest all-reduce of a step: one hidden state per token of the step's budget (larger: gloo).
     max_bytes = args.max_num_batched_tokens * config.hidden_size * config.torch_dtype.itemsize
     return ShmAllReduce(path, rank, args.tensor_parallel_size, max_bytes, rank == 0, peers_alive)
 
 
-def _worker_main(rank: int, args: EngineArgs, config: ModelConfig, store_port: int,
-                 cores: list[int] | None, shm_file: str | None, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    from ember.engine.model_runner import ModelRunner
-    from ember.loader import load_model
+def _load_shard(args: EngineArgs, device: torch.device, group: TensorParallelGroup) -> ModelRunner:
+    """This rank's runner, holding only its slice of the weights (the loader reads nothing else)."""
+    loaded = load_model(args.model, dtype=args.dtype, device=device)
+    return ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
 
+
+def _worker_main(
+    rank: int,
+    args: EngineArgs,
+    config: ModelConfig,
+    store_port: int,
+    cores: list[int] | None,
+    shm_file: str | None,
+    log_level: int,
+) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     if cores is not None:
         bind_to_cores(cores)
     device = resolve_device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    store = dist.TCPStore(LOOPBACK, store_port, args.tensor_parallel_size, is_master=False,
-                          timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(
+        LOOPBACK, store_port, args.tensor_parallel_size, is_master=False, timeout=COLLECTIVE_TIMEOUT
+    )
     # The group first: rank 0 waits on it, and a failed load then fails rank 0's barrier at once.
     store.set(f"rank{rank}-joining", "1")
     engine_pid = os.getppid()  # rank 0: while it lives, this process stays its child
-    shm = None if shm_file is None else _shm_allreduce(shm_file, args, config, rank,
-                                                       lambda: os.getppid() == engine_pid)
-    group = TensorParallelGroup(ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device, shm)
-    loaded = load_model(args.model, dtype=args.dtype, device=device)
-    runner = ModelRunner(loaded.config, loaded.state_dict, replace(args, device=str(device)), group)
-    loaded.state_dict.clear()  # only the shard's copies stay
+    shm = (
+        None
+        if shm_file is None
+        else _shm_allreduce(shm_file, args, config, rank, lambda: os.getppid() == engine_pid)
+    )
+    group = TensorParallelGroup(
+        ShardLayout.for_rank(config, rank, args.tensor_parallel_size), store, device, shm
+    )
+    runner = _load_shard(args, device, group)
     group.barrier()  # every rank loaded: rank 0 may start stepping
     runner.run_worker_loop()

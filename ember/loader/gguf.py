@@ -1,4 +1,5 @@
-"""Load a llama.cpp GGUF file: dequantized weights under Hugging Face names, config and tokenizer from metadata."""
+"""Load a llama.cpp GGUF file: weights under Hugging Face names (dequantized when read, whole or by rows or
+columns), config and tokenizer from metadata."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from ember.errors import ModelLoadError
 from ember.loader.gguf_reader import metadata_value, open_gguf
 from ember.loader.gguf_tokenizer import build_gguf_tokenizer, special_token_ids
+from ember.loader.lazy_weights import LazyStateDict
 from ember.loader.loaded_model import LoadedModel
 from ember.loader.tokenizer import Tokenizer
 from ember.loader.weights import check_state_dict
@@ -105,23 +107,53 @@ def _hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return config
 
 
-def _to_torch(tensor: Any, dtype: torch.dtype, path: Path) -> torch.Tensor:
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    try:
-        if qtype == GGMLQuantizationType.BF16:  # exact, no float32 round trip
-            values = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
-        elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            # Copy out of the read-only memory map so the tensors outlive the file.
-            values = torch.from_numpy(np.array(tensor.data))
+class GGUFTensor:
+    """A GGUF tensor (quantized or not). Quantized blocks run along a row, so a range of rows is one range
+    of bytes; a range of columns is a range of blocks in every row, widened to whole blocks, dequantized,
+    then cut to the columns asked for."""
+
+    def __init__(self, tensor: Any, path: Path, permuted_heads: int | None = None) -> None:
+        self.tensor, self.path = tensor, path
+        self.qtype = GGMLQuantizationType(tensor.tensor_type)
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        # llama.cpp's converter interleaves the rotary halves of every q/k head: undone per head on read.
+        self.permuted_heads = permuted_heads
+        self._decode(tensor.data[:1])  # an unsupported quantization type fails the load, not the first read
+
+    def read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        data = self.tensor.data
+        if dim == 0:
+            values = self._decode(data[start : start + length]).reshape(length, *self.shape[1:])
+        elif data.dtype == np.uint8:  # quantized (or bfloat16) bytes: whole blocks, then the columns
+            block, type_size = GGML_QUANT_SIZES[self.qtype]
+            first_block, end_block = start // block, -(-(start + length) // block)
+            offset = start - first_block * block
+            values = self._decode(data[:, first_block * type_size : end_block * type_size])
+            values = values.reshape(self.shape[0], -1)[:, offset : offset + length].contiguous()
         else:
-            values = torch.from_numpy(dequantize(tensor.data, qtype))
-        return values.reshape(shape).to(dtype)
-    except NotImplementedError:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} uses quantization type {qtype.name}, which Ember "
-                             f"cannot dequantize") from None
-    except (ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt ({exc})") from None
+            values = self._decode(data[:, start : start + length])
+        if self.permuted_heads is not None:
+            values = self._unpermute(values, dim, start, length)
+        return values
+
+    def _decode(self, raw: np.ndarray) -> torch.Tensor:
+        try:
+            if self.qtype == GGMLQuantizationType.BF16:  # exact, no float32 round trip
+                return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
+            if self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                return torch.from_numpy(np.array(raw))  # copied out of the read-only map
+            return torch.from_numpy(dequantize(np.ascontiguousarray(raw), self.qtype))
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.path}: tensor {self.tensor.name} uses quantization type "
+                                 f"{self.qtype.name}, which Ember cannot dequantize") from None
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{self.path}: tensor {self.tensor.name} is corrupt ({exc})") from None
+
+    def _unpermute(self, values: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        rows_per_head = self.shape[0] // self.permuted_heads
+        if dim == 0 and (start % rows_per_head or length % rows_per_head):
+            raise ValueError(f"{self.tensor.name}: rows {start}..{start + length} are not whole heads")
+        return unpermute_rows(values, length // rows_per_head if dim == 0 else self.permuted_heads)
 
 
 def _llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, path: Path) -> dict[str, Any]:
@@ -142,23 +174,19 @@ def _llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, 
     return params
 
 
-def _read_tensors(reader: GGUFReader, path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _tensor_sources(reader: GGUFReader, path: Path, config: ModelConfig) -> LazyStateDict:
     # Only the llama architecture's converter permutes q/k rows (qwen2 uses NeoX-style rope natively).
     permuted = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} \
         if config.architecture == "LlamaForCausalLM" else {}
-    state_dict: dict[str, torch.Tensor] = {}
+    sources: dict[str, GGUFTensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name} for {config.architecture}")
-        weight = _to_torch(tensor, config.torch_dtype, path)
-        projection = name.split(".")[-2]
-        if projection in permuted:
-            weight = unpermute_rows(weight, permuted[projection])
-        state_dict[name] = weight
-    return check_state_dict(config, state_dict, str(path))
+        sources[name] = GGUFTensor(tensor, path, permuted.get(name.split(".")[-2]))
+    return LazyStateDict(check_state_dict(config, sources, str(path)), config.torch_dtype)
 
 
 def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
@@ -176,9 +204,10 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
         raise ModelLoadError(f"{path}: corrupt GGUF metadata ({exc})") from None
     rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if rope_freqs is not None:
-        factors = _to_torch(rope_freqs, torch.float64, path).numpy()
+        source = GGUFTensor(rope_freqs, path)
+        factors = source.read(0, 0, source.shape[0]).double().numpy()
         config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
-    state_dict = _read_tensors(reader, path, config)
+    state_dict = _tensor_sources(reader, path, config)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))
 
 

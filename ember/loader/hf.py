@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder: config.json, *.safetensors (sharded too), tokenizer files."""
+"""Load a Hugging Face model folder: config.json, *.safetensors (sharded too; tensors read when asked for,
+whole or by rows or columns), tokenizer files."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ember.errors import ModelLoadError
+from ember.loader.lazy_weights import LazyStateDict
 from ember.loader.loaded_model import LoadedModel
 from ember.loader.tokenizer import Tokenizer
 from ember.loader.weights import check_state_dict
@@ -50,16 +52,31 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    state_dict: dict[str, torch.Tensor] = {}
+class SafetensorsTensor:
+    """A tensor of a memory-mapped safetensors file; get_slice copies out only the indexed bytes."""
+
+    def __init__(self, handle: Any, name: str, path: Path) -> None:
+        self.handle, self.name, self.path = handle, name, path
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows = slice(start, start + length)
+        try:
+            return self.handle.get_slice(self.name)[rows if dim == 0 else (slice(None), rows)]
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read weights {self.path}: {exc}") from None
+
+
+def safetensors_sources(files: list[Path]) -> dict[str, SafetensorsTensor]:
+    """Every tensor of `files`, by name, not yet read."""
+    sources: dict[str, SafetensorsTensor] = {}
     for file in files:
         try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    state_dict[name] = f.get_tensor(name).to(dtype)
+            handle = safe_open(file, framework="pt")  # open while its tensors may be read
+            sources |= {name: SafetensorsTensor(handle, name, file) for name in handle.keys()}
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read weights {file}: {exc}") from None
-    return state_dict
+    return sources
 
 
 def _special_tokens(tokenizer_config: dict[str, Any]) -> dict[str, str | None]:
@@ -131,7 +148,7 @@ def load_hf_folder(folder: Path, dtype: str | torch.dtype = "auto", device: str 
     bos_token_id, eos_token_ids = _special_token_ids(folder, config_dict)
     tokenizer = load_hf_tokenizer(folder, eos_token_ids, bos_token_id)
     config = replace(config, bos_token_id=bos_token_id, eos_token_ids=list(tokenizer.eos_token_ids))
-    state_dict = read_safetensors(_weight_files(folder), config.torch_dtype)
-    state_dict = check_state_dict(config, state_dict, str(folder))
+    sources = check_state_dict(config, safetensors_sources(_weight_files(folder)), str(folder))
+    state_dict = LazyStateDict(sources, config.torch_dtype)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(folder))
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ember.loader.lazy_weights import LazyStateDict
 from ember.loader.tokenizer import Tokenizer
 from ember.models.config import ModelConfig
 
@@ -13,6 +12,6 @@ from ember.models.config import ModelConfig
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # HF names, already in config.torch_dtype
+    state_dict: LazyStateDict  # HF names; tensors read (whole or sliced) in config.torch_dtype when asked for
     tokenizer: Tokenizer
     source: str  # the resolved path, for logs and /v1/models

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from ember.errors import ModelLoadError
 from ember.models.config import ModelConfig
@@ -41,8 +42,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Drop tensors the decoder ignores; raise ModelLoadError naming any missing, unexpected or misshapen one."""
+class Shaped(Protocol):
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+TensorLike = TypeVar("TensorLike", bound=Shaped)
+
+
+def check_state_dict(config: ModelConfig, state_dict: dict[str, TensorLike], source: str) -> dict[str, TensorLike]:
+    """Drop tensors the decoder ignores; raise ModelLoadError naming any missing, unexpected or misshapen one.
+    Only shapes are looked at: the tensors may be unread checkpoint sources."""
     expected = expected_shapes(config)
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:

@@ -10,6 +10,8 @@ all-gathered."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.linear import Linear
 from ember.layers.rmsnorm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from ember.loader.lazy_weights import LazyStateDict
 from ember.models.config import ModelConfig
 
 
@@ -222,25 +225,21 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits.float() if upcast else logits
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up; tie lm_head to the embedding if configured.
 
         Parameters are (re)created on the model's device in config.torch_dtype, so the module may have been
-        built on the "meta" device. Under tensor parallelism each takes a copy of its rank's slice only."""
+        built on the "meta" device. Under tensor parallelism each reads its rank's slice only: from a
+        LazyStateDict (what the loader returns), only those bytes of the checkpoint."""
         config, layout = self.config, self.layout
         dtype, device = config.torch_dtype, self.device
-        head_dim, sharded = config.head_dim, layout.size > 1
+        head_dim = config.head_dim
+        weights = LazyStateDict.from_tensors(state_dict)
 
         def take(name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
-            try:
-                tensor = state_dict[name]
-            except KeyError:
-                raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
-            if not sharded:
-                return tensor.to(device=device, dtype=dtype)
-            length = tensor.shape[dim] - start if length is None else length
-            # A copy, so the checkpoint's full tensor is not kept alive behind the slice.
-            return tensor.narrow(dim, start, length).to(device=device, dtype=dtype, copy=True)
+            if name not in weights:
+                raise ModelLoadError(f"checkpoint lacks tensor {name}")
+            return weights.read(name, dim, start, length).to(device=device, dtype=dtype)
 
         def vocab_rows(name: str) -> torch.Tensor:
             rows = take(name, 0, layout.vocab_start, min(layout.vocab_per_rank, config.vocab_size - layout.vocab_start))

@@ -145,7 +145,8 @@ def test_smollm2_two_ranks_match_one_rank(smollm2_gguf_path, make_tp_llm):
     assert generate(tp_llm, prompts, params) == expected
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL path needs two CUDA GPUs; none here")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"the NCCL path needs two CUDA GPUs; this host has {torch.cuda.device_count()}")
 def test_two_gpus_over_nccl_match_one(make_tp_llm):
     expected = generate(make_tp_llm(device="cuda"), PROMPTS[:4])
     assert generate(make_tp_llm(device="cuda", tensor_parallel_size=2), PROMPTS[:4]) == expected

@@ -81,10 +81,11 @@ class TinyGGUF:
 def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
                     drop: tuple[str, ...] = (), tied: bool = True, tokenizer_model: str = "gpt2", tokenizer_pre: str = "default",
                     intermediate_in_metadata: int | None = None, rope_theta: float = 50000.0,
-                    rope_freqs: list[float] | None = None) -> TinyGGUF:
-    """Write a random 2-layer llama GGUF with a tokenizer section; return the HF-named tensors a loader
-    must produce (each one quantized and dequantized with gguf.quants, in Hugging Face row order)."""
-    d = TINY_GGUF_DIMS
+                    rope_freqs: list[float] | None = None, dims: dict[str, int] | None = None) -> TinyGGUF:
+    """Write a random llama GGUF (TINY_GGUF_DIMS, or `dims`) with a tokenizer section; return the HF-named
+    tensors a loader must produce (each one quantized and dequantized with gguf.quants, in Hugging Face row
+    order)."""
+    d = TINY_GGUF_DIMS | (dims or {})
     hidden, inter, heads, kv_heads = d["hidden"], d["intermediate"], d["heads"], d["kv_heads"]
     head_dim = hidden // heads
     vocab = tiny_spm_vocab()[0] if tokenizer_model == "llama" else tiny_vocab()
@@ -165,7 +166,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return TinyGGUF(path, expected, vocab)
+    return TinyGGUF(path, expected, vocab, dims=d)
 
 
 @pytest.fixture

@@ -20,6 +20,22 @@ def test_every_quant_type_round_trips(gguf_writer) -> None:
         assert torch.equal(loaded.state_dict[name], tensor), name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_and_columns_read_alone_equal_slices_of_the_whole_tensor(gguf_writer, dtype) -> None:
+    """What a tensor-parallel rank reads: q/k rows by whole heads (un-permuted per head), and columns that
+    start and end inside quantization blocks (32 values) as well as on their edges, for every type."""
+    loaded = load_model(gguf_writer(tied=False).path, dtype=dtype)
+    weights, head_dim = loaded.state_dict, loaded.config.head_dim
+    for name in weights:
+        whole = weights[name]
+        if whole.dim() == 1:
+            assert torch.equal(weights.read(name, 0, 5, 20), whole[5:25]), name
+            continue
+        for start, length in ((0, 32), (32, 32), (7, 50), (40, 24)):
+            assert torch.equal(weights.read(name, 1, start, length), whole[:, start : start + length]), name
+        assert torch.equal(weights.read(name, 0, head_dim, head_dim), whole[head_dim : 2 * head_dim]), name
+
+
 def test_config_from_metadata(gguf_writer) -> None:
     tiny = gguf_writer()
     config, d = load_model(tiny.path, dtype="float32").config, tiny.dims

@@ -44,6 +44,16 @@ def test_every_tensor_equals_the_safetensors_file(tiny_model_dir: Path) -> None:
         assert torch.equal(loaded.state_dict[name], tensor), name
 
 
+def test_rows_and_columns_read_alone_equal_slices_of_the_whole_tensor(tiny_model_dir: Path) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    expected = load_file(tiny_model_dir / "model.safetensors")
+    for name in loaded.state_dict:
+        whole = expected[name].to(torch.bfloat16)
+        assert torch.equal(loaded.state_dict.read(name, 0, 3, 10), whole[3:13]), name
+        if whole.dim() == 2:
+            assert torch.equal(loaded.state_dict.read(name, 1, 16, 32), whole[:, 16:48]), name
+
+
 def test_bfloat16_conversion(tiny_model_dir: Path) -> None:
     loaded = load_model(tiny_model_dir, dtype="bfloat16")
     assert loaded.config.torch_dtype == torch.bfloat16

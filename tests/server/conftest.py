@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -28,7 +29,10 @@ def free_port() -> int:
 class ServerProcess:
     """One `ember serve` subprocess; its stdout+stderr go to `log_path`."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+    def __init__(
+        self, model_dir: Path, log_path: Path, *extra_args: str, data_limit: int | None = None
+    ) -> None:
+        """`data_limit`: the server's RLIMIT_DATA in bytes (inherited by its tensor-parallel workers)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -53,7 +57,14 @@ class ServerProcess:
         ]
         self._log = open(log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        limit = (
+            None
+            if data_limit is None
+            else (lambda: resource.setrlimit(resource.RLIMIT_DATA, (data_limit,) * 2))
+        )
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=limit
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 180.0) -> None:
