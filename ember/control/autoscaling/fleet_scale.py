@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ember.control.autoscaling.policy import Decision, Observation, WindowLatency
-from ember.control.autoscaling.simulator import ReplicaProfile, count_flaps
+from ember.control.autoscaling.replica_profile import ReplicaProfile
+from ember.control.autoscaling.simulator import count_flaps
 from ember.gateway.config import AutoscalingConfig
 
 KNATIVE_TARGET_UTILISATION = 0.7  # Knative's container-concurrency-target-percentage default
@@ -326,12 +327,15 @@ def _window(since: float, group: _Group) -> WindowLatency:
     )
 
 
-def policies_for(name: str, config: AutoscalingConfig, regions: int, interval_s: float, static: int = 0) -> list[Policy]:
-    """One policy object per region: `ember` (AutoscalingPolicy), `knative` or `static` (`static` each)."""
+def policies_for(
+    name: str, config: AutoscalingConfig, profile: ReplicaProfile, regions: int, interval_s: float, static: int = 0
+) -> list[Policy]:
+    """One policy object per region: `ember` (AutoscalingPolicy, with the replicas' profile as the live
+    loop has it), `knative` or `static` (`static` each)."""
     from ember.control.autoscaling.policy import AutoscalingPolicy
 
     if name == "ember":
-        return [AutoscalingPolicy(config) for _ in range(regions)]
+        return [AutoscalingPolicy(config, profile) for _ in range(regions)]
     if name == "knative":
         return [KnativeStylePolicy(config, interval_s) for _ in range(regions)]
     return [StaticPolicy(static) for _ in range(regions)]

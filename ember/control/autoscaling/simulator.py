@@ -17,42 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from ember.control.autoscaling.policy import AutoscalingPolicy, Decision, Observation, WindowLatency
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.errors import EmberError
 from ember.gateway.config import AutoscalingConfig
-
-
-class MeasuredPoint(BaseModel):
-    """One measurement of `ember profile`: x is a prompt length (tokens) or a batch size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    x: int
-    seconds: float
-
-
-class ReplicaProfile(BaseModel):
-    """How fast one replica is (a JSON file for `ember simulate --profile`, written by `ember profile`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model: str | None = Field(default=None, description="What was measured (informational)")
-
-    prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens prefilled per second, one prompt at a time")
-    decode_step_s: float = Field(gt=0, description="One decode step with one sequence")
-    decode_step_per_seq_s: float = Field(ge=0, description="Added to a step per further sequence in the batch")
-    max_batch: int = Field(gt=0, description="Concurrent requests per replica (the gateway's capacity)")
-    cold_start_s: float = Field(ge=0, description="Process start to serving")
-    cost_per_replica_hour: float | None = Field(
-        default=None, ge=0, description="This hardware's price; overrides the fleet file's when comparing hardware"
-    )
-    ttft_by_prompt_tokens: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
-    step_by_batch: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
-
-    def step_s(self, batch: int) -> float:
-        return self.decode_step_s + self.decode_step_per_seq_s * max(batch - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -146,7 +114,7 @@ class FleetSimulator:
         self.profile = profile
         self.interval_s = interval_s
         self.tick_s = tick_s
-        self.policy = AutoscalingPolicy(config)
+        self.policy = AutoscalingPolicy(config, profile)
 
     def run(self, arrivals: list[Arrival], duration_s: float) -> SimulationReport:
         profile, config = self.profile, self.config
