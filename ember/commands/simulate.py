@@ -107,7 +107,7 @@ def _run_at_scale(args: argparse.Namespace, fleet, autoscaling, profile, hardwar
 
     def simulate(policy: str, replica_profile, static: int = 0) -> fleet_scale.ScaleReport:  # noqa: ANN001
         simulated = fleet_scale.ScaleSimulator(
-            autoscaling, replica_profile, regions, lambda a, b: fleet.latency_ms(a, b) / 1000, interval_s=args.interval_s
+            autoscaling, replica_profile, regions, fleet, interval_s=args.interval_s
         )
         policies = fleet_scale.policies_for(policy, autoscaling, replica_profile, len(regions), args.interval_s, static)
         return simulated.run(rate_at, args.duration_s, policies, args.seed, static or args.initial_replicas)

@@ -19,7 +19,7 @@ REGIONS = [Region(name, 1 / 3) for name in sorted(FLEET.regions)]
 
 
 def simulate(policy: str, seed: int, hours: float = 2.0):
-    simulator = ScaleSimulator(AUTOSCALING, PROFILE, REGIONS, lambda a, b: FLEET.latency_ms(a, b) / 1000)
+    simulator = ScaleSimulator(AUTOSCALING, PROFILE, REGIONS, FLEET)
     policies = policies_for(policy, AUTOSCALING, simulator.profile, len(REGIONS), simulator.interval_s, static=350)
     # The diurnal peak of 5,000 req/s is at 12 h; these two hours climb from 500 to 800 req/s.
     return simulator.run(diurnal_rate(500, 5000), hours * 3600, policies, seed=seed, initial_replicas=60)
