@@ -17,10 +17,11 @@ decisions. The rules, in order:
    at the current load (p90s scaled by N/(N-1) stay under SCALE_DOWN_HEADROOM of the objective,
    and the in-flight requests and KV cache fit), continuously for `scale_down_delay_s`. This is
    what keeps a load that one replica almost serves from flapping 2 <-> 1. With the replicas'
-   profile (`ember profile`), N-1 is also projected by its step-time model, as llm-d simulates N-1
-   before scaling down: at the same arrival rate bigger batches step slower and hold every request
-   longer, so N-1's slots fill more than in_flight / (N-1) says; the projected slots and ITL must
-   stay under the headroom too.
+   profile (`ember profile`), N-1 must also pass a capacity check by its step-time model, as llm-d
+   simulates N-1 before scaling down: the current completion rate stays under the headroom of what
+   N-1 replicas complete at full batch, and their step time at the projected batch under the
+   headroom of the ITL objective. Free slots alone overstate what is left: a batch twice as big
+   steps slower, so it does not complete twice as many requests.
 6. scale to zero (min_replicas 0): no request arrived, ran or waited for `scale_to_zero_after_s`.
 
 Replicas still loading are never capacity: ratios are taken over ready replicas only. They do
@@ -192,21 +193,23 @@ class AutoscalingPolicy:
         return Decision(fewer, "scale_down", f"{fewer} at {projected_ratio:.2f}x objective")
 
     def _profiled_projection(self, obs: Observation, replicas: int) -> tuple[float, float]:
-        """By the profile's step-time model, (the share of the slots of `replicas` replicas, their ITL
-        over its objective) at the current load; (0, 0) without a profile.
+        """By the profile's step-time model: (the current completion rate over what `replicas` replicas
+        complete at full batch, their ITL over its objective); (0, 0) without a profile.
 
-        At the same arrival rate, fewer replicas run bigger batches, whose slower steps keep every
-        request in flight longer (Little's law: in flight = rate x time in the replica). The
-        projection bounds that from above, as the in-flight count if every step took the full
-        batch's time, since a replica short of capacity runs at full batch (in the simulator at scale
-        the plain fixed point of the batch missed the objective: 98.8% on diurnal, against 99.6%)."""
+        A request's time in a replica is in flight / completion rate (Little's law); at full batch it
+        is that times step(max_batch) / step(current batch), decode being most of it (scaling its
+        prefill part too only errs on the safe side). `replicas` complete max_batch requests per such
+        time, so the share is in_flight * step(max_batch) / step(batch) / (replicas * max_batch): the
+        rate cancels out. A replica whose steps slow in proportion to its batch gains no throughput
+        from batching, and the share says so."""
         if self.profile is None or not obs.in_flight or not obs.ready:
             return 0.0, 0.0
         profile = self.profile
         step_now_s = profile.step_s(max(1, round(obs.in_flight / obs.ready)))
-        in_flight = obs.in_flight * profile.step_s(profile.max_batch) / step_now_s
-        step_s = profile.step_s(min(profile.max_batch, math.ceil(in_flight / replicas)))
-        return in_flight / (replicas * profile.max_batch), step_s * 1000 / self.config.itl_p90_ms
+        in_flight_at_full_batch = obs.in_flight * profile.step_s(profile.max_batch) / step_now_s
+        batch = min(profile.max_batch, math.ceil(in_flight_at_full_batch / replicas))
+        share = in_flight_at_full_batch / (replicas * profile.max_batch)
+        return share, profile.step_s(batch) * 1000 / self.config.itl_p90_ms
 
     def _worst_ratio(self, window: WindowLatency) -> tuple[float, str]:
         """The largest observed/objective ratio in a window (0 without observations) and its name."""
