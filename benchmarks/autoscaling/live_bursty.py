@@ -46,7 +46,16 @@ from tests.conftest import build_tiny_model_dir
 KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
 CAPACITY = 4  # concurrent requests the gateway sends one replica, in both fleets
-SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "0.05", "--max-model-len", "512", "--num-threads", "1"]
+SERVE_ARGS = [
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    "0.05",
+    "--max-model-len",
+    "512",
+    "--num-threads",
+    "1",
+]
 PROMPT_WORDS = 48
 
 
@@ -66,7 +75,9 @@ def metric(text: str, name: str, **labels: str) -> float:
     )
 
 
-def fleet_config(args: argparse.Namespace, model_dir: Path, autoscaled: bool, gateway_port: int, control_port: int) -> dict:
+def fleet_config(
+    args: argparse.Namespace, model_dir: Path, autoscaled: bool, gateway_port: int, control_port: int
+) -> dict:
     model: dict = {"deployments": [{"replicas": []}]}
     launch: dict = {"gateway": {"port": gateway_port}, "shutdown_timeout_s": 60}
     if autoscaled:
@@ -114,7 +125,10 @@ class Fleet:
                     ready = health and httpx.get(control + "/status", timeout=2).status_code == 200
                 else:
                     text = httpx.get(self.gateway + "/metrics", timeout=2).text
-                    ready = health and metric(text, "ember_gateway_replica_healthy", model="tiny") >= ready_replicas
+                    ready = (
+                        health
+                        and metric(text, "ember_gateway_replica_healthy", model="tiny") >= ready_replicas
+                    )
                 if ready:
                     return
             except httpx.HTTPError:
@@ -168,7 +182,9 @@ def trace(args: argparse.Namespace) -> tuple[list[float], list[Conversation]]:
     burst_from = (args.period_s - args.burst_s) / 2
 
     def rate_at(t: float) -> float:
-        return args.burst_rate if burst_from <= t % args.period_s < burst_from + args.burst_s else args.base_rate
+        return (
+            args.burst_rate if burst_from <= t % args.period_s < burst_from + args.burst_s else args.base_rate
+        )
 
     arrivals = poisson_arrivals(rate_at, args.duration_s, args.seed, output_tokens=args.output_tokens)
     conversations = [
@@ -203,11 +219,15 @@ def run_fleet(args: argparse.Namespace, model_dir: Path, autoscaled: bool, workd
             status = httpx.get(control + "/status", timeout=5).json()
             seconds = "ember_autoscaler_replica_seconds_total"
             replica_seconds = metric(after, seconds, model="tiny") - metric(before, seconds, model="tiny")
-            cold_starts = [r["cold_start_s"] for r in status["models"]["tiny"]["replicas"] if r["cold_start_s"]]
+            cold_starts = [
+                r["cold_start_s"] for r in status["models"]["tiny"]["replicas"] if r["cold_start_s"]
+            ]
             cold_start_sum = metric(after, "ember_autoscaler_cold_start_seconds_sum", model="tiny")
             cold_start_count = metric(after, "ember_autoscaler_cold_start_seconds_count", model="tiny")
             scale_events = {
-                direction: metric(after, "ember_autoscaler_scale_events_total", model="tiny", direction=direction)
+                direction: metric(
+                    after, "ember_autoscaler_scale_events_total", model="tiny", direction=direction
+                )
                 for direction in ("up", "down")
             }
             decisions = status["decisions"]
@@ -234,7 +254,9 @@ class _nothing:
         return None
 
 
-def summarise(args: argparse.Namespace, name: str, results: list, window_s: float, replica_seconds: float, extra: dict) -> dict:
+def summarise(
+    args: argparse.Namespace, name: str, results: list, window_s: float, replica_seconds: float, extra: dict
+) -> dict:
     def within(result) -> bool:  # noqa: ANN001
         mean_itl = statistics.fmean(result.itl) if result.itl else 0.0
         return result.success and result.ttft * 1000 <= args.ttft_ms and mean_itl * 1000 <= args.itl_ms
@@ -264,20 +286,34 @@ def summarise(args: argparse.Namespace, name: str, results: list, window_s: floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON result and the fleets' logs")
-    parser.add_argument("--model-dir", type=Path, default=None, help="A tiny model folder (default: built here)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="Folder for the JSON result and the fleets' logs"
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="A tiny model folder (default: built here)"
+    )
     parser.add_argument("--duration-s", type=float, default=600.0, help="Trace length (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the trace (default 0)")
-    parser.add_argument("--base-rate", type=float, default=0.3, help="Requests/s between bursts (default 0.3)")
+    parser.add_argument(
+        "--base-rate", type=float, default=0.3, help="Requests/s between bursts (default 0.3)"
+    )
     parser.add_argument("--burst-rate", type=float, default=4.0, help="Requests/s in a burst (default 4)")
     parser.add_argument("--burst-s", type=float, default=60.0, help="Length of a burst (default 60)")
     parser.add_argument("--period-s", type=float, default=300.0, help="One burst per period (default 300)")
     parser.add_argument("--output-tokens", type=int, default=32, help="Tokens per reply (default 32)")
     parser.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT objective (default 2000)")
-    parser.add_argument("--itl-ms", type=float, default=200.0, help="Mean inter-token latency objective (default 200)")
-    parser.add_argument("--scale-down-delay-s", type=float, default=10.0, help="Autoscaled fleet (default 10)")
-    parser.add_argument("--scale-to-zero-after-s", type=float, default=60.0, help="Autoscaled fleet (default 60)")
+    parser.add_argument(
+        "--itl-ms", type=float, default=200.0, help="Mean inter-token latency objective (default 200)"
+    )
+    parser.add_argument(
+        "--scale-down-delay-s", type=float, default=10.0, help="Autoscaled fleet (default 10)"
+    )
+    parser.add_argument(
+        "--scale-to-zero-after-s", type=float, default=60.0, help="Autoscaled fleet (default 60)"
+    )
     parser.add_argument("--stable-window-s", type=float, default=10.0, help="Autoscaled fleet (default 10)")
     parser.add_argument("--only", choices=("static", "autoscaled"), default=None, help="Run one fleet only")
     args = parser.parse_args()
@@ -289,8 +325,14 @@ def main() -> int:
         for autoscaled in (False, True):
             if args.only in (None, "autoscaled" if autoscaled else "static"):
                 reports.append(run_fleet(args, model_dir, autoscaled, workdir))
-                print(json.dumps({k: v for k, v in reports[-1].items() if k not in ("decisions", "replica_timeline")}))
-    (args.out / "live_bursty.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "reports": reports}, indent=1))
+                print(
+                    json.dumps(
+                        {k: v for k, v in reports[-1].items() if k not in ("decisions", "replica_timeline")}
+                    )
+                )
+    (args.out / "live_bursty.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "reports": reports}, indent=1)
+    )
     if len(reports) == 2:
         static, scaled = reports
         print(f"SLO attainment: static {static['slo_attainment']:.1%}, autoscaled {scaled['slo_attainment']:.1%}; "
