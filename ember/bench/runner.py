@@ -147,9 +147,14 @@ async def run_warmups(settings: RunSettings, conversations: list[Conversation]) 
     return [r.result for r in runner.records]
 
 
-async def run_benchmark(settings: RunSettings, conversations: list[Conversation]) -> RunOutcome:
-    """Send every conversation at its arrival time; Ctrl-C (SIGINT) stops the run and keeps what finished."""
-    offsets = arrival_offsets(len(conversations), settings.request_rate, settings.burstiness, settings.seed)
+async def run_benchmark(
+    settings: RunSettings, conversations: list[Conversation], offsets: list[float] | None = None
+) -> RunOutcome:
+    """Send every conversation at its arrival time; Ctrl-C (SIGINT) stops the run and keeps what finished.
+    `offsets`: each conversation's arrival (seconds after the start) from a trace, instead of the
+    settings' rate and burstiness."""
+    if offsets is None:
+        offsets = arrival_offsets(len(conversations), settings.request_rate, settings.burstiness, settings.seed)
     total_requests = sum(len(c.turns) for c in conversations)
     loop = asyncio.get_running_loop()
     interrupted = False

@@ -56,14 +56,15 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ember.control.autoscaling import simulator
+    from ember.control.autoscaling.replica_profile import ReplicaProfile
     from ember.gateway.config import load_config, validation_message
 
     config = load_config(args.fleet).models.get(args.model)
     if config is None or config.autoscaling is None:
         raise EmberError(f"{args.fleet}: models.{args.model} has no autoscaling section")
-    def read_profile(path: str) -> simulator.ReplicaProfile:
+    def read_profile(path: str) -> ReplicaProfile:
         try:
-            return simulator.ReplicaProfile.model_validate_json(Path(path).read_text(encoding="utf-8"))
+            return ReplicaProfile.model_validate_json(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise EmberError(f"cannot read {path}: {exc.strerror or exc}") from None
         except ValidationError as exc:
@@ -106,9 +107,9 @@ def _run_at_scale(args: argparse.Namespace, fleet, autoscaling, profile, hardwar
 
     def simulate(policy: str, replica_profile, static: int = 0) -> fleet_scale.ScaleReport:  # noqa: ANN001
         simulated = fleet_scale.ScaleSimulator(
-            autoscaling, replica_profile, regions, lambda a, b: fleet.latency_ms(a, b) / 1000, interval_s=args.interval_s
+            autoscaling, replica_profile, regions, fleet, interval_s=args.interval_s
         )
-        policies = fleet_scale.policies_for(policy, autoscaling, len(regions), args.interval_s, static)
+        policies = fleet_scale.policies_for(policy, autoscaling, replica_profile, len(regions), args.interval_s, static)
         return simulated.run(rate_at, args.duration_s, policies, args.seed, static or args.initial_replicas)
 
     reports = {"ember": simulate("ember", profile)}

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
 
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.deploy.settings import KubernetesLaunch
 from ember.errors import EmberError
 from ember.gateway.config import (
@@ -91,7 +92,7 @@ class LaunchAutoscaled(StrictModel):
     capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each replica")
     profile: str | None = Field(
         default=None, description="An `ember profile` file (relative to the fleet file): its max_batch is the "
-        "capacity unless capacity is given",
+        "capacity unless capacity is given; the policy projects one replica fewer by its step-time model",
     )  # fmt: skip
     region: str | None = None
 
@@ -160,6 +161,7 @@ class AutoscaledModel:
     host: str
     capacity: int
     region: str | None
+    profile: ReplicaProfile | None = None  # launch.autoscaled.<model>.profile, for the policy's N-1 projection
 
 
 @dataclass(frozen=True)
@@ -278,21 +280,21 @@ def _autoscaled_models(
         serve_args = ["serve", "--model", source, "--served-model-name", upstream]
         if "--num-threads" not in how.args:
             serve_args += ["--num-threads", str(threads_per_replica)]
-        capacity = how.capacity
-        if how.profile is not None and "capacity" not in how.model_fields_set:
-            capacity = _profiled_capacity(path.parent / how.profile, f"{path}: launch.autoscaled.{name}.profile")
-        models[name] = AutoscaledModel(name, model.autoscaling, [*serve_args, *how.args], how.host, capacity, how.region)
+        capacity, profile = how.capacity, None
+        if how.profile is not None:
+            profile = _read_profile(path.parent / how.profile, f"{path}: launch.autoscaled.{name}.profile")
+            if "capacity" not in how.model_fields_set:
+                capacity = profile.max_batch
+        models[name] = AutoscaledModel(
+            name, model.autoscaling, [*serve_args, *how.args], how.host, capacity, how.region, profile
+        )
     return models
 
 
-def _profiled_capacity(path: Path, where: str) -> int:
-    """The concurrency `ember profile` measured a replica at (its largest batch)."""
-    from pydantic import ValidationError
-
-    from ember.control.autoscaling.simulator import ReplicaProfile
-
+def _read_profile(path: Path, where: str) -> ReplicaProfile:
+    """An `ember profile` file: its max_batch is the default capacity, its step-time model the policy's."""
     try:
-        return ReplicaProfile.model_validate_json(path.read_text(encoding="utf-8")).max_batch
+        return ReplicaProfile.model_validate_json(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise FleetError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
     except ValidationError as exc:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ember.control.autoscaling.fleet_scale import Region, ScaleSimulator, diurnal_rate, policies_for
-from ember.control.autoscaling.simulator import ReplicaProfile
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.gateway.config import load_config
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "autoscaling"
@@ -19,8 +19,8 @@ REGIONS = [Region(name, 1 / 3) for name in sorted(FLEET.regions)]
 
 
 def simulate(policy: str, seed: int, hours: float = 2.0):
-    simulator = ScaleSimulator(AUTOSCALING, PROFILE, REGIONS, lambda a, b: FLEET.latency_ms(a, b) / 1000)
-    policies = policies_for(policy, AUTOSCALING, len(REGIONS), simulator.interval_s, static=350)
+    simulator = ScaleSimulator(AUTOSCALING, PROFILE, REGIONS, FLEET)
+    policies = policies_for(policy, AUTOSCALING, simulator.profile, len(REGIONS), simulator.interval_s, static=350)
     # The diurnal peak of 5,000 req/s is at 12 h; these two hours climb from 500 to 800 req/s.
     return simulator.run(diurnal_rate(500, 5000), hours * 3600, policies, seed=seed, initial_replicas=60)
 
@@ -57,3 +57,17 @@ def test_ember_simulate_at_scale_compares_policies_and_hardware_and_plots(tmp_pa
     assert lines[6].startswith("cheapest meeting 50%: gpu-")
     assert lines[-1] == f"wrote {tmp_path / 'timeline.png'}"
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_simulators_use_the_gateways_routing_code_without_its_app():
+    """They call the router's own RegionSelector and LeastOutstandingPolicy; those pure modules must
+    not pull in the gateway's server (FastAPI app, dispatcher, HTTP clients)."""
+    probe = (
+        "import sys\n"
+        "import ember.control.autoscaling.fleet_scale, ember.control.autoscaling.simulator\n"
+        "print(sorted(m for m in ('ember.gateway.app', 'ember.gateway.dispatch', 'fastapi', 'httpx') if m in sys.modules))\n"
+        "print('ember.gateway.routing.region' in sys.modules, 'ember.gateway.routing.least_outstanding' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "True True"]

@@ -143,7 +143,7 @@ def test_print_commands_shows_the_autoscaled_replica_command_and_fleet_status_ne
     assert "launch.autoscaler.port" in capsys.readouterr().err
 
 
-def test_a_profile_gives_the_capacity_unless_capacity_is_set(tmp_path):
+def test_a_profile_gives_the_capacity_unless_capacity_is_set_and_the_policy_its_step_model(tmp_path):
     (tmp_path / "tiny-model").mkdir()
     (tmp_path / "tiny.json").write_text(
         '{"prefill_tokens_per_s": 900, "decode_step_s": 0.01, "decode_step_per_seq_s": 0.001, "max_batch": 12,'
@@ -153,7 +153,10 @@ def test_a_profile_gives_the_capacity_unless_capacity_is_set(tmp_path):
     data["launch"]["autoscaled"]["tiny"] = {"model": "tiny-model", "profile": "tiny.json"}
     assert load_fleet(write(tmp_path, data)).autoscaled["tiny"].capacity == 12
     data["launch"]["autoscaled"]["tiny"]["capacity"] = 4
-    assert load_fleet(write(tmp_path, data)).autoscaled["tiny"].capacity == 4
+    model = load_fleet(write(tmp_path, data)).autoscaled["tiny"]
+    assert model.capacity == 4
+    # The policy gets the profile either way: its step-time model checks every scale down.
+    assert model.profile is not None and model.profile.step_s(3) == 0.012
     data["launch"]["autoscaled"]["tiny"] = {"model": "tiny-model", "profile": "missing.json"}
     with pytest.raises(FleetError, match=r"launch\.autoscaled\.tiny\.profile: cannot read .*missing\.json: No such file"):
         load_fleet(write(tmp_path, data))

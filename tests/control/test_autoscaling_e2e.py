@@ -1,11 +1,14 @@
-"""SLA autoscaling end to end: `ember up` with a tiny-model fleet that starts with no replica
-(min 0, max 2), real `ember serve` processes started and stopped by the autoscaler, the gateway
-holding requests while a replica starts, and the openai SDK as the client. One test, in order:
-scale from zero, a burst that scales up, idle that scales back down to zero, then a clean stop."""
+"""SLA autoscaling end to end: `ember up` with tiny-model fleets, real `ember serve` processes started
+and stopped by the autoscaler, and the openai SDK as the client. With min 0 / max 2, one test in
+order: scale from zero (the gateway holds requests while a replica starts), a burst that scales up,
+idle that scales back down to zero, then a clean stop. With min 1 / max 3: a burst scales up, the
+gateway routes to no replica before admitting it, and the replicas drain back to one under a light
+load that loses no request."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
 import signal
 import socket
@@ -14,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -58,7 +62,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 class AutoscaledFleet:
-    def __init__(self, tmp_path: Path, model_dir: Path):
+    def __init__(self, tmp_path: Path, model_dir: Path, **autoscaling):
         self.gateway_port, self.control_port = free_port(), free_port()
         config = {
             "models": {
@@ -66,11 +70,12 @@ class AutoscaledFleet:
                     "deployments": [{"replicas": []}],
                     "autoscaling": {
                         "min_replicas": 0, "max_replicas": 2,
-                        # Generous objectives: on a shared 2-core machine latency is noise; the burst
-                        # below scales up through the queue (8 requests for 2 slots), deterministically.
+                        # Generous objectives: on a shared 2-core machine latency is noise; the bursts
+                        # below scale up through the queue (more requests than slots), deterministically.
                         "ttft_p90_ms": 60_000, "itl_p90_ms": 10_000,
                         "scale_down_delay_s": 3, "scale_to_zero_after_s": 20,
                         "stable_window_s": 6, "panic_window_s": 2, "hold_limit": 32,
+                        **autoscaling,
                     },
                 },
             },
@@ -143,15 +148,60 @@ class AutoscaledFleet:
         return self.process.returncode
 
 
-@pytest.fixture
-def fleet(tmp_path, tiny_model_dir):
-    fleet = AutoscaledFleet(tmp_path, tiny_model_dir)
+@contextlib.contextmanager
+def running(fleet: AutoscaledFleet):
     try:
         wait_for(fleet.up, "the gateway and the autoscaler")
         yield fleet
     finally:
         fleet.stop()
         print("".join(line for line in fleet.lines if "GET /" not in line and "POST /" not in line))
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir):
+    with running(AutoscaledFleet(tmp_path, tiny_model_dir)) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def fleet_1_to_3(tmp_path, tiny_model_dir):
+    # scale_down_delay_s long enough to see the delay in the decision log, short enough for a test.
+    with running(AutoscaledFleet(tmp_path, tiny_model_dir, min_replicas=1, max_replicas=3, scale_down_delay_s=8)) as fleet:
+        yield fleet
+
+
+class RoutedToUnadmitted:
+    """Samples the gateway's /metrics until stopped: a replica with requests in flight that the gateway
+    had not admitted (replica_healthy 0) would be a request sent to a replica before it was healthy."""
+
+    def __init__(self, gateway: str):
+        self.url = gateway + "/metrics"
+        self.seen: set[str] = set()  # replica ids the gateway listed
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            healthy, outstanding = {}, {}
+            for family in text_string_to_metric_families(httpx.get(self.url, timeout=10.0).text):
+                for sample in family.samples:
+                    if sample.name == "ember_gateway_replica_healthy" and sample.labels["model"] == "tiny":
+                        healthy[sample.labels["replica"]] = sample.value
+                    elif sample.name == "ember_gateway_replica_outstanding" and sample.labels["model"] == "tiny":
+                        outstanding[sample.labels["replica"]] = sample.value
+            self.seen |= healthy.keys()
+            self.violations += [f"{replica}: {outstanding[replica]:g} in flight" for replica, up in healthy.items()
+                                if not up and outstanding.get(replica)]  # fmt: skip
+
+    def __enter__(self) -> RoutedToUnadmitted:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request(fleet):
@@ -221,3 +271,56 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     # The first replica's process was a standby, started with the fleet and waiting before any request.
     first = re.search(r"autoscaler: tiny: started tiny-(\d+) \(activate\)", output)
     assert output.index(f"replica-{first.group(1)} started (pid") < first.start()
+
+
+def test_a_burst_against_min_one_max_three_scales_up_then_drains_back_to_one_without_cutting_a_request(fleet_1_to_3):
+    fleet = fleet_1_to_3
+    wait_for(lambda: fleet.states() == ["ready"], "min_replicas' replica")
+    with RoutedToUnadmitted(fleet.gateway) as routing:
+        # 18 requests for one replica of 2 slots: the queue overflows and panic asks for 9 replicas,
+        # capped at 3. Every request succeeds, whichever replica serves it.
+        with concurrent.futures.ThreadPoolExecutor(18) as pool:
+            burst = [pool.submit(fleet.chat, f"burst {index}", index % 3 == 0, 48) for index in range(18)]
+            assert all(future.result()[0] for future in burst)
+        burst_over = time.time()
+        ups = [(e["current"], e["desired"], e["reason"]) for e in fleet.status()["decisions"] if e["desired"] > e["current"]]
+        assert ups == [(0, 1, "min_replicas"), (1, 3, "panic")]
+        wait_for(
+            lambda: metric(fleet.control + "/metrics", "ember_autoscaler_cold_start_seconds_count", model="tiny") == 3,
+            "the burst's two replicas to be admitted",
+        )
+        assert fleet.states() == ["ready", "ready", "ready"]
+
+        # A light load (one streamed request at a time) keeps running while the two extra replicas
+        # drain and stop: each request on a draining replica finishes there.
+        light: list[str] = []
+        stop_light = threading.Event()
+
+        def light_load() -> None:
+            while not stop_light.is_set():
+                light.append(fleet.chat(f"light {len(light)}", stream=True, max_tokens=24)[0])
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running_light = pool.submit(light_load)
+            wait_for(lambda: fleet.states() == ["ready"], "the fleet to drain back to min_replicas", limit_s=120)
+            stop_light.set()
+            running_light.result()
+    assert light and all(light)
+    assert routing.violations == [] and len(routing.seen) == 3
+
+    decisions = fleet.status()["decisions"]
+    downs = [entry for entry in decisions if entry["reason"] == "scale_down"]
+    assert [(entry["current"], entry["desired"]) for entry in downs] == [(3, 2), (2, 1)]
+    # Not before the scale-down delay after the burst, and one step per delay.
+    first_down = datetime.fromisoformat(downs[0]["time"]).timestamp()
+    assert first_down >= burst_over + 8 - 1  # the log's times are whole seconds
+    assert datetime.fromisoformat(downs[1]["time"]).timestamp() - first_down >= 8 - 1
+    assert "scale_to_zero" not in [entry["reason"] for entry in decisions]
+
+    gateway_metrics = fleet.gateway + "/metrics"
+    served = metric(gateway_metrics, "ember_gateway_requests_total", model="tiny")
+    assert served == 18 + len(light)
+    assert metric(gateway_metrics, "ember_gateway_requests_total", model="tiny", status="200") == served
+    assert fleet.stop() == 0
+    output = "".join(fleet.lines)
+    assert output.count("drained and stopped") == 2  # the two scale-downs

@@ -11,6 +11,7 @@ from ember.control.autoscaling.policy import (
     ReplicaLoad,
     WindowLatency,
 )
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.gateway.config import AutoscalingConfig
 
 CONFIG = dict(
@@ -103,6 +104,33 @@ def test_no_scale_down_when_one_replica_fewer_would_miss_the_objective_or_fill_i
     assert policy(scale_down_delay_s=0).decide(observe(0, 2, stable=0.1, kv=0.5)).desired == 2  # 1 -> 100% KV
     assert policy(scale_down_delay_s=0).decide(observe(0, 2, stable=0.1, in_flight=14)).desired == 2  # 14/8 slots
     assert policy(scale_down_delay_s=0).decide(observe(0, 2, stable=0.3, kv=0.3, in_flight=4)).desired == 1
+
+
+def profiled(decode_step_s: float, per_seq_s: float) -> AutoscalingPolicy:
+    profile = ReplicaProfile(
+        prefill_tokens_per_s=10_000, decode_step_s=decode_step_s, decode_step_per_seq_s=per_seq_s, max_batch=8,
+        cold_start_s=5,
+    )  # fmt: skip
+    return AutoscalingPolicy(AutoscalingConfig(**{**CONFIG, "scale_down_delay_s": 0}), profile)
+
+
+def test_with_a_profile_one_replica_fewer_must_keep_the_throughput_the_load_needs():
+    # 6 in flight on 2 replicas fill 75% of one replica's slots: the slot check alone lets it go.
+    assert policy(scale_down_delay_s=0).decide(observe(0, 2, stable=0.1, in_flight=6)).desired == 1
+    # But steps of 20 ms + 2 ms per further sequence run 34 ms at a batch of 8 against 24 ms at 3:
+    # one replica completes 8 per 34 steps' time where the load needs 6 per 24, 106% of it.
+    held = profiled(0.020, 0.002).decide(observe(0, 2, stable=0.1, in_flight=6))
+    assert held == Decision(2, "hold", "1 would be at 0.34x objective, 106% slots, 0% KV")
+    # 3 in flight (a batch of 2, 22 ms steps) need 58% of what one replica completes: it goes.
+    assert profiled(0.020, 0.002).decide(observe(0, 2, stable=0.1, in_flight=3)).desired == 1
+
+
+def test_with_a_profile_one_replica_fewer_must_keep_the_itl_objective_by_the_step_time_model():
+    # 85 ms steps: the measured ITL (9.9 ms) leaves room, the profile says one replica at a batch of 3
+    # steps in 87 ms, over 80% of the 100 ms objective.
+    assert policy(scale_down_delay_s=0).decide(observe(0, 2, stable=0.1, in_flight=2)).desired == 1
+    held = profiled(0.085, 0.001).decide(observe(0, 2, stable=0.1, in_flight=2))
+    assert held == Decision(2, "hold", "1 would be at 0.87x objective, 27% slots, 0% KV")
 
 
 def test_scale_to_zero_after_idle_and_any_request_restarts_the_idle_clock():

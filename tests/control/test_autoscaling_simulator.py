@@ -6,7 +6,8 @@ import json
 
 import yaml
 
-from ember.control.autoscaling.simulator import FleetSimulator, ReplicaProfile, bursty, diurnal, steady
+from ember.control.autoscaling.replica_profile import ReplicaProfile
+from ember.control.autoscaling.simulator import FleetSimulator, bursty, diurnal, steady
 from ember.gateway.config import AutoscalingConfig
 
 # One replica: 256-token prompts prefill in 0.128 s, 64 tokens decode in ~1.3-2.2 s: about 5 requests/s.

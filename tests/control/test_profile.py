@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ember.control.autoscaling.simulator import ReplicaProfile
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 
 
 def ember(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -147,7 +147,7 @@ class Autoscaler:
         self.clock = clock
         self.settings = fleet.launch.autoscaler
         self.models: dict[str, AutoscaledModel] = fleet.autoscaled
-        self.policies = {name: AutoscalingPolicy(model.autoscaling) for name, model in self.models.items()}
+        self.policies = {name: AutoscalingPolicy(model.autoscaling, model.profile) for name, model in self.models.items()}
         self.signals = {name: _ModelSignals(model.autoscaling.stable_window_s) for name, model in self.models.items()}
         self.metrics = AutoscalerMetrics()
         self.decision_log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG_SIZE)

@@ -8,9 +8,12 @@ arrivals and completions of that interval:
 - arrivals: the trace's rate in that region times the interval, with seeded Poisson-like noise;
 - a request takes one prefill (`ReplicaProfile`) plus its output tokens at the step time of the
   replica's current batch, so a group completes `running / service time` requests per second;
-- the queue waits for free slots (`max_batch` per ready replica); a region with requests queued sends
-  them to the nearest region (fleet file `regions:` latencies) with free slots, as the gateway's
-  region-aware router does, and they pay that latency on their TTFT;
+- the queue waits for free slots (`max_batch` per ready replica); requests a region's own slots do not
+  take go where the gateway's region-aware router (`RegionSelector`, its own code, over one gateway
+  `Replica` per region that holds the region's slots) sends them: the nearest region, by the fleet
+  file's latencies, with a free slot; they pay that latency on their TTFT. A region the fleet file
+  gives no latency from the home region is not used (the router would try it as a last resort, at
+  a latency the file does not give);
 - TTFT = latency + queue wait (queue / completion rate) + the wait for a prefill turn (M/D/1 at the
   replica's prefill utilisation, exponential tail) + the prefill; ITL = the step time at the batch.
 
@@ -31,8 +34,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ember.control.autoscaling.policy import Decision, Observation, WindowLatency
-from ember.control.autoscaling.simulator import ReplicaProfile, count_flaps
-from ember.gateway.config import AutoscalingConfig
+from ember.control.autoscaling.replica_profile import ReplicaProfile
+from ember.control.autoscaling.simulator import count_flaps
+from ember.gateway.config import AutoscalingConfig, GatewayConfig
+from ember.gateway.replicas import Replica
+from ember.gateway.routing.region import RegionSelector
 
 KNATIVE_TARGET_UTILISATION = 0.7  # Knative's container-concurrency-target-percentage default
 TIMELINE_STEP_S = 60.0
@@ -140,7 +146,7 @@ class ScaleSimulator:
         config: AutoscalingConfig,
         profile: ReplicaProfile,
         regions: Sequence[Region],
-        latency_s: Callable[[str, str], float],
+        fleet: GatewayConfig,  # its regions' latencies, for the router
         prompt_tokens: int = 256,
         output_tokens: int = 128,
         interval_s: float = 2.0,
@@ -148,7 +154,8 @@ class ScaleSimulator:
         self.config = config
         self.profile = profile
         self.regions = list(regions)
-        self.latency_s = latency_s
+        self.fleet = fleet
+        self.router = RegionSelector(fleet)
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
         self.interval_s = interval_s
@@ -216,27 +223,38 @@ class ScaleSimulator:
         )
 
     def _spill_over(self, groups: list[_Group]) -> list[list[tuple[float, float]]]:
-        """Queued requests that no slot at home takes go to the nearest region with free slots.
-        Returns, per region, the (requests, latency s) it received this interval."""
+        """Queued requests that no slot at home takes go where the router sends them (the nearest
+        region with a free slot). Returns, per region, the (requests, latency s) it received."""
         received: list[list[tuple[float, float]]] = [[] for _ in groups]
-        free = [max(0.0, g.ready * self.profile.max_batch - g.running - g.queued) for g in groups]
+        free = [g.ready * self.profile.max_batch - g.running - g.queued for g in groups]  # < 0: queued
+        slots = [
+            Replica(
+                id=region.name, url=f"sim://{region.name}", model="sim", upstream_model="sim", deployment="sim",
+                version=None, weight=1.0, region=region.name, labels={}, capacity=group.ready * self.profile.max_batch,
+            )
+            for region, group in zip(self.regions, groups, strict=True)
+        ]  # fmt: skip
+        index = {region.name: number for number, region in enumerate(self.regions)}
         for home, group in enumerate(groups):
-            excess = group.queued - max(0.0, group.ready * self.profile.max_batch - group.running)
-            if excess <= 0:
-                continue
-            nearest = sorted(
-                (self.latency_s(self.regions[home].name, self.regions[other].name), other)
-                for other in range(len(groups)) if other != home and free[other] > 0
-            )  # fmt: skip
-            for latency, other in nearest:
-                if math.isinf(latency) or excess <= 0:
+            excess = -free[home]
+            unreachable = {r.name for r in self.regions if math.isinf(self._latency_s(home, index[r.name]))}
+            while excess > 0:
+                for slot, room in zip(slots, free, strict=True):  # whole free slots, as the router counts them
+                    slot.outstanding = slot.capacity - math.floor(max(room, 0.0))
+                pick = self.router.pick(slots, unreachable, self.regions[home].name)
+                if not pick.candidates:
                     break
+                other = index[pick.candidates[0].id]
                 moved = min(excess, free[other])
                 free[other] -= moved
+                free[home] += moved
                 excess -= moved
                 group.queued -= moved
-                received[other].append((moved, latency))
+                received[other].append((moved, self._latency_s(home, other)))
         return received
+
+    def _latency_s(self, source: int, target: int) -> float:
+        return self.fleet.latency_ms(self.regions[source].name, self.regions[target].name) / 1000
 
     def _advance(self, group: _Group, now: float, received: list[tuple[float, float]]) -> tuple[float, float]:
         """One interval of one region; returns (requests that got their first token, those within the SLO)."""
@@ -326,12 +344,15 @@ def _window(since: float, group: _Group) -> WindowLatency:
     )
 
 
-def policies_for(name: str, config: AutoscalingConfig, regions: int, interval_s: float, static: int = 0) -> list[Policy]:
-    """One policy object per region: `ember` (AutoscalingPolicy), `knative` or `static` (`static` each)."""
+def policies_for(
+    name: str, config: AutoscalingConfig, profile: ReplicaProfile, regions: int, interval_s: float, static: int = 0
+) -> list[Policy]:
+    """One policy object per region: `ember` (AutoscalingPolicy, with the replicas' profile as the live
+    loop has it), `knative` or `static` (`static` each)."""
     from ember.control.autoscaling.policy import AutoscalingPolicy
 
     if name == "ember":
-        return [AutoscalingPolicy(config) for _ in range(regions)]
+        return [AutoscalingPolicy(config, profile) for _ in range(regions)]
     if name == "knative":
         return [KnativeStylePolicy(config, interval_s) for _ in range(regions)]
     return [StaticPolicy(static) for _ in range(regions)]

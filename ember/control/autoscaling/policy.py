@@ -16,7 +16,12 @@ decisions. The rules, in order:
 5. scale down, one replica at a time, only when one replica fewer would still meet every objective
    at the current load (p90s scaled by N/(N-1) stay under SCALE_DOWN_HEADROOM of the objective,
    and the in-flight requests and KV cache fit), continuously for `scale_down_delay_s`. This is
-   what keeps a load that one replica almost serves from flapping 2 <-> 1.
+   what keeps a load that one replica almost serves from flapping 2 <-> 1. With the replicas'
+   profile (`ember profile`), N-1 must also pass a capacity check by its step-time model, as llm-d
+   simulates N-1 before scaling down: the current completion rate stays under the headroom of what
+   N-1 replicas complete at full batch, and their step time at the projected batch under the
+   headroom of the ITL objective. Free slots alone overstate what is left: a batch twice as big
+   steps slower, so it does not complete twice as many requests.
 6. scale to zero (min_replicas 0): no request arrived, ran or waited for `scale_to_zero_after_s`.
 
 Replicas still loading are never capacity: ratios are taken over ready replicas only. They do
@@ -32,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.gateway.config import AutoscalingConfig
 
 PANIC_RATIO = 2.0
@@ -92,10 +98,12 @@ class Decision:
 
 
 class AutoscalingPolicy:
-    """One model's policy; keeps the timers its delays need between calls of `decide`."""
+    """One model's policy; keeps the timers its delays need between calls of `decide`. `profile`: how
+    fast one replica is (its step-time model projects N-1 before a scale down), if measured."""
 
-    def __init__(self, config: AutoscalingConfig):
+    def __init__(self, config: AutoscalingConfig, profile: ReplicaProfile | None = None):
         self.config = config
+        self.profile = profile
         self._breach_since: float | None = None
         self._scale_down_ok_since: float | None = None
         self._panic_until = -math.inf
@@ -168,6 +176,9 @@ class AutoscalingPolicy:
         projected_ratio = stable_ratio * obs.ready / fewer
         projected_slots = concurrency / (fewer * obs.capacity_per_replica)
         projected_kv = sum(replica.kv_usage for replica in obs.replicas) / fewer
+        profiled_slots, profiled_itl = self._profiled_projection(obs, fewer)
+        projected_slots = max(projected_slots, profiled_slots)
+        projected_ratio = max(projected_ratio, profiled_itl)
         if max(projected_ratio, projected_slots, projected_kv) > SCALE_DOWN_HEADROOM:
             self._scale_down_ok_since = None
             return Decision(
@@ -180,6 +191,25 @@ class AutoscalingPolicy:
             return Decision(current, "hold", f"{fewer} would suffice for {obs.now - self._scale_down_ok_since:.1f}s")
         self._scale_down_ok_since = None  # the next step down waits a full delay again
         return Decision(fewer, "scale_down", f"{fewer} at {projected_ratio:.2f}x objective")
+
+    def _profiled_projection(self, obs: Observation, replicas: int) -> tuple[float, float]:
+        """By the profile's step-time model: (the current completion rate over what `replicas` replicas
+        complete at full batch, their ITL over its objective); (0, 0) without a profile.
+
+        A request's time in a replica is in flight / completion rate (Little's law); at full batch it
+        is that times step(max_batch) / step(current batch), decode being most of it (scaling its
+        prefill part too only errs on the safe side). `replicas` complete max_batch requests per such
+        time, so the share is in_flight * step(max_batch) / step(batch) / (replicas * max_batch): the
+        rate cancels out. A replica whose steps slow in proportion to its batch gains no throughput
+        from batching, and the share says so."""
+        if self.profile is None or not obs.in_flight or not obs.ready:
+            return 0.0, 0.0
+        profile = self.profile
+        step_now_s = profile.step_s(max(1, round(obs.in_flight / obs.ready)))
+        in_flight_at_full_batch = obs.in_flight * profile.step_s(profile.max_batch) / step_now_s
+        batch = min(profile.max_batch, math.ceil(in_flight_at_full_batch / replicas))
+        share = in_flight_at_full_batch / (replicas * profile.max_batch)
+        return share, profile.step_s(batch) * 1000 / self.config.itl_p90_ms
 
     def _worst_ratio(self, window: WindowLatency) -> tuple[float, str]:
         """The largest observed/objective ratio in a window (0 without observations) and its name."""

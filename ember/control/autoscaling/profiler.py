@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ember.control.autoscaling.simulator import MeasuredPoint, ReplicaProfile
+from ember.control.autoscaling.replica_profile import MeasuredPoint, ReplicaProfile
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

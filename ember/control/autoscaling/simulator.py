@@ -1,6 +1,8 @@
 """A fleet simulator: replays arrivals through the real `AutoscalingPolicy` over simulated replicas.
 
-First slice (issue 13): one model, one region, a least-outstanding router, time in fixed ticks. A
+First slice (issue 13): one model, one region, time in fixed ticks. Requests go to replicas by the
+gateway's own default policy (`LeastOutstandingPolicy`, seeded), over a gateway `Replica` per
+simulated replica that carries its requests in flight and its capacity (`max_batch`). A
 replica's speed is a `ReplicaProfile` (prefill throughput, decode step time by batch size, cold
 start), the numbers `ember profile` is meant to measure. Every `interval_s` the simulator builds the
 same `Observation` the live autoscaler builds (queue, in flight, p90 TTFT / ITL / queue wait over
@@ -17,42 +19,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from ember.control.autoscaling.policy import AutoscalingPolicy, Decision, Observation, WindowLatency
+from ember.control.autoscaling.replica_profile import ReplicaProfile
 from ember.errors import EmberError
 from ember.gateway.config import AutoscalingConfig
+from ember.gateway.replicas import Replica
+from ember.gateway.request_context import RequestContext
+from ember.gateway.routing.least_outstanding import LeastOutstandingPolicy
 
-
-class MeasuredPoint(BaseModel):
-    """One measurement of `ember profile`: x is a prompt length (tokens) or a batch size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    x: int
-    seconds: float
-
-
-class ReplicaProfile(BaseModel):
-    """How fast one replica is (a JSON file for `ember simulate --profile`, written by `ember profile`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model: str | None = Field(default=None, description="What was measured (informational)")
-
-    prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens prefilled per second, one prompt at a time")
-    decode_step_s: float = Field(gt=0, description="One decode step with one sequence")
-    decode_step_per_seq_s: float = Field(ge=0, description="Added to a step per further sequence in the batch")
-    max_batch: int = Field(gt=0, description="Concurrent requests per replica (the gateway's capacity)")
-    cold_start_s: float = Field(ge=0, description="Process start to serving")
-    cost_per_replica_hour: float | None = Field(
-        default=None, ge=0, description="This hardware's price; overrides the fleet file's when comparing hardware"
-    )
-    ttft_by_prompt_tokens: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
-    step_by_batch: list[MeasuredPoint] = Field(default_factory=list, description="What the fit came from")
-
-    def step_s(self, batch: int) -> float:
-        return self.decode_step_s + self.decode_step_per_seq_s * max(batch - 1, 0)
+ROUTER_SEED = 0  # the router's random choices (two of the replicas, ties): deterministic runs
 
 
 @dataclass(frozen=True)
@@ -120,8 +95,16 @@ class _Request:
 @dataclass
 class _Replica:
     ready_at: float
+    routing: Replica  # what the gateway's router sees of it: requests in flight, capacity
     running: list[_Request] = field(default_factory=list)
     draining: bool = False
+
+
+def _routing_replica(number: int, capacity: int) -> Replica:
+    return Replica(
+        id=f"sim-{number}", url=f"sim://{number}", model="sim", upstream_model="sim", deployment="sim",
+        version=None, weight=1.0, region=None, labels={}, capacity=capacity,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -146,11 +129,15 @@ class FleetSimulator:
         self.profile = profile
         self.interval_s = interval_s
         self.tick_s = tick_s
-        self.policy = AutoscalingPolicy(config)
+        self.policy = AutoscalingPolicy(config, profile)
+        self._started = 0  # replicas started in this run, for their routing ids
 
     def run(self, arrivals: list[Arrival], duration_s: float) -> SimulationReport:
         profile, config = self.profile, self.config
-        replicas = [_Replica(ready_at=0.0) for _ in range(config.min_replicas)]
+        self._started = 0
+        replicas = [self._new_replica(0.0) for _ in range(config.min_replicas)]
+        router = LeastOutstandingPolicy(rng=random.Random(ROUTER_SEED))
+        context = RequestContext(model="sim", endpoint="completions", body={}, key_id="sim", priority=0)
         queue: deque[_Request] = deque()
         pending = deque(sorted(arrivals, key=lambda a: a.time_s))
         done: list[_Request] = []
@@ -168,15 +155,17 @@ class FleetSimulator:
             while pending and pending[0].time_s <= now:
                 arrival = pending.popleft()
                 queue.append(_Request(arrival, arrival.prompt_tokens / profile.prefill_tokens_per_s, arrival.output_tokens))
-            serving = [r for r in replicas if r.ready_at <= now and not r.draining]
-            while queue and serving:
-                replica = min(serving, key=lambda r: len(r.running))
-                if len(replica.running) >= profile.max_batch:
+            serving = {r.routing.id: r for r in replicas if r.ready_at <= now and not r.draining}
+            while queue:
+                choice = router.choose([r.routing for r in serving.values() if r.routing.has_capacity], context)
+                if choice is None:
                     break
                 request = queue.popleft()
                 request.started_s = now
                 waits.append((now, now - request.arrival.time_s))
+                replica = serving[choice.replica.id]
                 replica.running.append(request)
+                replica.routing.outstanding += 1
             for replica in replicas:
                 finished += self._advance(replica, now, ttfts, itls, done)
             replica_seconds += len(replicas) * self.tick_s
@@ -216,6 +205,7 @@ class FleetSimulator:
         finishing = [r for r in replica.running if r.prefill_left_s <= 0 and r.tokens_left <= 1e-9]
         for request in finishing:
             replica.running.remove(request)
+            replica.routing.outstanding -= 1
             done.append(request)
         return len(finishing)
 
@@ -241,12 +231,16 @@ class FleetSimulator:
 
     def _apply(self, desired: int, current: int, replicas: list[_Replica], now: float) -> None:
         for _ in range(desired - current):
-            replicas.append(_Replica(ready_at=now + self.profile.cold_start_s))
+            replicas.append(self._new_replica(now + self.profile.cold_start_s))
         # Loading replicas go first (newest first), then the least busy, as the live autoscaler does.
         active = [r for r in replicas if not r.draining]
         victims = sorted(active, key=lambda r: (r.ready_at <= now, -r.ready_at if r.ready_at > now else len(r.running)))
         for replica in victims[: max(current - desired, 0)]:
             replica.draining = True
+
+    def _new_replica(self, ready_at: float) -> _Replica:
+        self._started += 1
+        return _Replica(ready_at, _routing_replica(self._started, self.profile.max_batch))
 
     def _report(self, requests, done, replica_seconds, cold_starts, decisions) -> SimulationReport:
         config = self.config
