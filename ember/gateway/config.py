@@ -196,6 +196,13 @@ class RoutingConfig(StrictModel):
     options: dict[str, Any] = Field(default_factory=dict)
     # Client region -> nearest region with healthy capacity; off means regions are ignored for this model.
     region_aware: bool = True
+    spill_when_waiting: int | None = Field(
+        default=None,
+        ge=1,
+        description="Leave a region whose replicas' scraped /metrics show this many requests waiting (or, for "
+        "cluster gateways, every healthy replica's slots taken) as if it were at capacity; "
+        "default off, 1 for a front door's clusters",
+    )
 
 
 class GatewayModelConfig(StrictModel):
@@ -348,8 +355,9 @@ class ClustersConfig(StrictModel):
     """A front door: this gateway serves `models` through other gateways (clusters), each with its own
     replicas. Expanded at load into one model per name whose replicas are the cluster gateways, so the
     routing of docs/routing.md applies: nearest healthy cluster first by the regions' latency matrix,
-    spill-over when one is at capacity, ejection when its `/ready` fails (the health path becomes
-    `/ready` unless `health.path` is set) or its requests fail, probed back afterwards."""
+    spill-over when one is at capacity or its scraped queue is building (`routing.spill_when_waiting`,
+    1 unless set), ejection when its `/ready` fails (the health path becomes `/ready` unless
+    `health.path` is set) or its requests fail, probed back afterwards."""
 
     models: list[str] = Field(min_length=1, description="Model names every cluster serves")
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
@@ -368,9 +376,12 @@ def _expand_clusters(data: Any) -> Any:
     members = [
         (name, member.model_dump(exclude={"id"}, exclude_none=True)) for name, member in clusters.members.items()
     ]
+    routing = clusters.routing.model_dump()
+    if "spill_when_waiting" not in clusters.routing.model_fields_set:
+        routing["spill_when_waiting"] = 1  # a cluster with a request in its queue is spilled from
     models = {
         model: {
-            "routing": clusters.routing.model_dump(),
+            "routing": routing,
             "deployments": [
                 {"name": "clusters", "replicas": [{**member, "id": f"{name}/{model}"} for name, member in members]}
             ],

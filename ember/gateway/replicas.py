@@ -27,7 +27,17 @@ class ReplicaMetrics:
     kv_usage: float | None = None  # 0..1
     prefix_cache_hits: float | None = None  # tokens, cumulative counter
     prefix_cache_queries: float | None = None  # tokens, cumulative counter
+    capacity: float | None = None  # a cluster gateway's: the capacity of its healthy replicas
     scraped_at: float = 0.0  # time.monotonic()
+
+    def queue_building(self, waiting_threshold: int) -> bool:
+        """Whether this load says the next request would wait: `waiting_threshold` or more requests
+        already queued, or (a cluster gateway) every slot of its healthy replicas taken."""
+        if not self.scraped_at:
+            return False
+        if self.waiting is not None and self.waiting >= waiting_threshold:
+            return True
+        return self.capacity is not None and self.running is not None and self.running >= self.capacity
 
 
 @dataclass(slots=True, eq=False)
