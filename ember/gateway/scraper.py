@@ -109,6 +109,8 @@ class MetricsScraper:
 
     async def scrape(self, replica: Replica) -> bool:
         """One scrape into `replica.metrics`; returns whether it succeeded."""
+        # Ours among the requests it reports: those in flight when the scrape left, and any sent since.
+        own_before, acquired_before = replica.outstanding, replica.acquired
         try:
             response = await self.client.side.get(
                 replica.url + self.config.path, headers=replica.auth_headers, timeout=self.config.timeout_s
@@ -128,5 +130,6 @@ class MetricsScraper:
             replica.metrics = ReplicaMetrics()
             return False
         snapshot.scraped_at = time.monotonic()
+        snapshot.own_at_scrape = own_before + replica.acquired - acquired_before
         replica.metrics = snapshot
         return True

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -250,15 +251,26 @@ class _RecordAuthorization:
 
 
 class EmberServe:
-    """One `ember serve` process on a fixed port (so a restart comes back at the same URL)."""
+    """One `ember serve` process on a fixed port (so a restart comes back at the same URL). `host` and
+    `prefix` place it elsewhere, e.g. in a network namespace (`ip netns exec NAME`, regions_harness)."""
 
-    def __init__(self, model_dir: Path, name: str, max_num_seqs: int = 8, max_model_len: int = 512):
+    def __init__(
+        self,
+        model_dir: Path,
+        name: str,
+        max_num_seqs: int = 8,
+        max_model_len: int = 512,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+    ):
         self.model_dir = model_dir
         self.name = name
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.host = host
+        self.prefix = list(prefix)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> EmberServe:
@@ -267,8 +279,8 @@ class EmberServe:
 
     def launch(self) -> None:
         command = [
-            sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
-            "--served-model-name", "tiny", "--port", str(self.port), "--num-threads", "1",
+            *self.prefix, sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
+            "--served-model-name", "tiny", "--host", self.host, "--port", str(self.port), "--num-threads", "1",
             "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len), "--log-level", "warning",
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -290,6 +302,58 @@ class EmberServe:
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class GatewayProcess:
+    """One `ember gateway` process for a config file; `host` and `prefix` as for EmberServe."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        log_path: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        grpc: bool = True,
+        prefix: Sequence[str] = (),
+    ):
+        self.port = port or free_port()
+        self.grpc_port = free_port() if grpc else None
+        self.url = f"http://{host}:{self.port}"
+        command = [
+            *prefix, sys.executable, "-m", "ember.cli", "gateway", "--config", str(config_path),
+            "--host", host, "--port", str(self.port),
+        ]  # fmt: skip
+        if self.grpc_port is not None:
+            command += ["--grpc-port", str(self.grpc_port)]
+        self.log_path = log_path
+        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+        def up() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"ember gateway exited: {log_path.read_text()[-2000:]}")
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout_s=60, what="ember gateway to listen")
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
 
 
 class GatewayServer:

@@ -65,7 +65,7 @@ class RegionSelector:
             group = by_region[region]
             free = [replica for replica in group if replica.has_capacity]
             if free and spill_when_waiting is not None:
-                relieved = [r for r in free if not r.metrics.queue_building(spill_when_waiting)]
+                relieved = [r for r in free if not r.queue_building(spill_when_waiting)]
                 if not relieved:
                     nearest_overloaded = nearest_overloaded or RegionPick(free, region, "overloaded")
                 free = relieved
