@@ -20,8 +20,11 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
-from gateway_harness import free_port
+import yaml
+from gateway_harness import GatewayProcess, free_port, sha256
 
 
 class DelayRelay:
@@ -196,3 +199,77 @@ class RegionNetwork:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         self._host_links.clear()
         self._namespaces.clear()
+
+
+class Replica(Protocol):
+    """A replica process at a fixed URL (EmberServe, or a benchmark's stub): restartable after a kill."""
+
+    url: str
+
+    def start(self) -> Replica: ...
+
+    def kill(self) -> None: ...
+
+
+class Cluster:
+    """A cluster in a region: its replica and the `ember gateway` in front of it (a key for the front
+    door's service credential, nothing else), reached from the root namespace through a DelayRelay
+    that puts the region `delay_s` away each way. `kill()` SIGKILLs both processes (the relay stays,
+    as the network would); `start()` brings them back at the same addresses."""
+
+    def __init__(
+        self, region: Region, replica: Replica, workdir: Path, delay_s: float, replica_capacity: int = 4
+    ):
+        self.region = region
+        self.replica = replica
+        self.service_key = f"sk-{region.name}-service"
+        self.workdir = workdir
+        self.port = free_port()
+        self.gateway: GatewayProcess | None = None
+        self.config_path = workdir / f"{region.name}-gateway.yaml"
+        config = {
+            "models": {
+                "tiny": {"deployments": [{"replicas": [{"url": replica.url, "capacity": replica_capacity}]}]}
+            },
+            "keys": {"inline": [{"name": "front-door", "sha256": sha256(self.service_key)}]},
+            "health": {"interval_s": 0.25, "timeout_s": 1.0, "unhealthy_threshold": 2},
+            "async": {"store": f"{region.name}-jobs.db"},  # each gateway its own (beside its config file)
+        }
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.relay = DelayRelay(region.address, self.port, delay_s).start()
+
+    @property
+    def direct_url(self) -> str:
+        """The cluster gateway itself, without the relay (checks of its own state)."""
+        return f"http://{self.region.address}:{self.port}"
+
+    def start(self) -> Cluster:
+        self.replica.start()
+        self.gateway = GatewayProcess(
+            self.config_path,
+            self.workdir / f"{self.region.name}-gateway.log",
+            host=self.region.address,
+            port=self.port,
+            grpc=False,
+            prefix=self.region.prefix,
+        )
+        return self
+
+    def kill(self) -> None:
+        self.gateway.kill()
+        self.replica.kill()
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.replica.kill()
+        self.relay.stop()
+
+    def member(self, region_name: str, capacity: int) -> dict:
+        """This cluster as a front door's `clusters.members` entry (reached through the relay)."""
+        return {
+            "url": self.relay.url,
+            "region": region_name,
+            "capacity": capacity,
+            "api_key": self.service_key,
+        }
