@@ -218,7 +218,13 @@ class Cluster:
     as the network would); `start()` brings them back at the same addresses."""
 
     def __init__(
-        self, region: Region, replica: Replica, workdir: Path, delay_s: float, replica_capacity: int = 4
+        self,
+        region: Region,
+        replica: Replica,
+        workdir: Path,
+        delay_s: float,
+        replica_capacity: int = 4,
+        model: str = "tiny",
     ):
         self.region = region
         self.replica = replica
@@ -229,7 +235,7 @@ class Cluster:
         self.config_path = workdir / f"{region.name}-gateway.yaml"
         config = {
             "models": {
-                "tiny": {"deployments": [{"replicas": [{"url": replica.url, "capacity": replica_capacity}]}]}
+                model: {"deployments": [{"replicas": [{"url": replica.url, "capacity": replica_capacity}]}]}
             },
             "keys": {"inline": [{"name": "front-door", "sha256": sha256(self.service_key)}]},
             "health": {"interval_s": 0.25, "timeout_s": 1.0, "unhealthy_threshold": 2},
