@@ -61,12 +61,16 @@ class Router:
     def policy(self, model: str) -> RoutingPolicy:
         return self._policies[model]
 
-    def select(self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()) -> Replica | None:
+    def select(
+        self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()
+    ) -> Replica | None:
         decision = self.decide(model, ctx, exclude)
         ctx.extra["route"] = decision
         return decision.replica
 
-    def decide(self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()) -> RouteDecision:
+    def decide(
+        self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()
+    ) -> RouteDecision:
         policy = self._policies.get(model)
         if policy is None:
             return RouteDecision(None, "", "unknown-model")
@@ -90,7 +94,9 @@ class Router:
             region, region_reason = None, None
         choice = policy.choose(candidates, ctx) if candidates else None
         if choice is None:
-            return RouteDecision(None, policy.name, "saturated", deployment, deployment_reason, region, region_reason)
+            return RouteDecision(
+                None, policy.name, "saturated", deployment, deployment_reason, region, region_reason
+            )
         return RouteDecision(
             choice.replica, policy.name, choice.reason, deployment, deployment_reason, region, region_reason
         )

@@ -165,7 +165,9 @@ class FakeReplica:
         yield
 
     async def _health(self, request: Request) -> Response:
-        return PlainTextResponse("ok" if self.health_status == 200 else "down", status_code=self.health_status)
+        return PlainTextResponse(
+            "ok" if self.health_status == 200 else "down", status_code=self.health_status
+        )
 
     async def _metrics(self, request: Request) -> Response:
         return PlainTextResponse(
@@ -186,7 +188,9 @@ class FakeReplica:
             chat = request.url.path.endswith("chat/completions")
             if body.get("stream"):
                 include_usage = (body.get("stream_options") or {}).get("include_usage") is True
-                return StreamingResponse(self._stream(body, chat, include_usage), media_type="text/event-stream")
+                return StreamingResponse(
+                    self._stream(body, chat, include_usage), media_type="text/event-stream"
+                )
             text = "".join(self.chunks)
             choice = (
                 {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
@@ -226,7 +230,12 @@ class FakeReplica:
                     self._gate.clear()
                     await self._gate.wait()
             if include_usage:
-                usage_chunk = {"id": f"cmpl-{self.name}", "model": body.get("model"), "choices": [], "usage": self.usage}
+                usage_chunk = {
+                    "id": f"cmpl-{self.name}",
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": self.usage,
+                }
                 yield b"data: " + orjson.dumps(usage_chunk) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -328,7 +337,9 @@ class GatewayProcess:
             command += ["--grpc-port", str(self.grpc_port)]
         self.log_path = log_path
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
 
         def up() -> bool:
             if self.process.poll() is not None:
@@ -375,7 +386,12 @@ class GatewayServer:
 def model_config(*replicas: FakeReplica, capacity: int = 8, **routing) -> dict:
     return {
         "routing": routing or {"policy": "least-outstanding"},
-        "deployments": [{"name": "main", "replicas": [{"url": r.url, "id": r.name, "capacity": capacity} for r in replicas]}],
+        "deployments": [
+            {
+                "name": "main",
+                "replicas": [{"url": r.url, "id": r.name, "capacity": capacity} for r in replicas],
+            }
+        ],
     }
 
 
@@ -392,5 +408,3 @@ def gateway_config(models: dict, keys: list[dict], **extra) -> dict:
     }
     config.update(extra)
     return config
-
-

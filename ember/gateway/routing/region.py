@@ -83,6 +83,7 @@ class RegionSelector:
         key = (client_region, regions)
         order = self._order_cache.get(key)
         if order is None:
+
             def distance(region: str | None) -> tuple[float, int, str]:
                 if region is None:  # replicas without a region: after every named one
                     return float("inf"), 1, ""
