@@ -109,7 +109,10 @@ class DelayRelay:
                     return
                 if not data:
                     if writer.can_write_eof() and not writer.is_closing():
-                        writer.write_eof()
+                        try:
+                            writer.write_eof()
+                        except OSError:  # the other side is gone already: nothing left to tell it
+                            pass
                     return
                 writer.write(data)
                 try:
