@@ -204,12 +204,12 @@ class RegionNetwork:
         self._namespaces.clear()
 
 
-class Replica(Protocol):
+class ReplicaProcess(Protocol):
     """A replica process at a fixed URL (EmberServe, or a benchmark's stub): restartable after a kill."""
 
     url: str
 
-    def start(self) -> Replica: ...
+    def start(self) -> ReplicaProcess: ...
 
     def kill(self) -> None: ...
 
@@ -223,7 +223,7 @@ class Cluster:
     def __init__(
         self,
         region: Region,
-        replica: Replica,
+        replica: ReplicaProcess,
         workdir: Path,
         delay_s: float,
         replica_capacity: int = 4,
@@ -246,11 +246,6 @@ class Cluster:
         }
         self.config_path.write_text(yaml.safe_dump(config))
         self.relay = DelayRelay(region.address, self.port, delay_s).start()
-
-    @property
-    def direct_url(self) -> str:
-        """The cluster gateway itself, without the relay (checks of its own state)."""
-        return f"http://{self.region.address}:{self.port}"
 
     def start(self) -> Cluster:
         self.replica.start()

@@ -35,7 +35,6 @@ class FrontDoor:
     gateway: GatewayProcess
     east: Cluster
     west: Cluster
-    network: RegionNetwork
 
     def served(self) -> dict[str, float]:
         """Requests the front door completed per cluster (its `ember_gateway_requests_total`, status 200)."""
@@ -78,7 +77,7 @@ def front_door(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         config_path = workdir / "front-door.yaml"
         config_path.write_text(yaml.safe_dump(config))
         gateway = GatewayProcess(config_path, workdir / "front-door.log", grpc=False)
-        door = FrontDoor(gateway, east, west, network)
+        door = FrontDoor(gateway, east, west)
         wait_until(
             lambda: http.get(gateway.url + "/ready").status_code == 200, 60, "the front door to admit both"
         )
