@@ -132,6 +132,7 @@ class Region:
     address: str
     prefix: list[str] = field(default_factory=list)
     netns: str | None = None
+    link: str | None = None  # the root namespace's end of its veth pair
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -178,7 +179,15 @@ class RegionNetwork:
         _ip("addr", "add", f"{inner_address}/24", "dev", inner_link, netns=netns)
         _ip("link", "set", inner_link, "up", netns=netns)
         _ip("link", "set", "lo", "up", netns=netns)
-        return Region(name, inner_address, ["ip", "netns", "exec", netns], netns)
+        return Region(name, inner_address, ["ip", "netns", "exec", netns], netns, host_link)
+
+    def partition(self, region: Region) -> None:
+        """Cut the region off without a word: its veth link down, so packets to it go nowhere and
+        connections to it neither close nor reset (namespaces only)."""
+        _ip("link", "set", region.link, "down")
+
+    def heal(self, region: Region) -> None:
+        _ip("link", "set", region.link, "up")
 
     def _free_subnet(self) -> ipaddress.IPv4Network:
         """A 10.x.y.0/24 no interface of the root namespace is on (other tests may hold some)."""

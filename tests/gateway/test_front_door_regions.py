@@ -6,7 +6,9 @@ delaying relay), and the front door itself an `ember gateway` process in us-east
 The nearest cluster serves while it keeps up, load spills west when east's own metrics show its queue
 building, and when east dies whole (SIGKILL of its gateway and replica) under load, requests not yet
 started are served by west, streams already started end with an error event and [DONE], never a
-hang, and east is re-admitted when it comes back."""
+hang, and east is re-admitted when it comes back. Cut off instead (its veth link down: no reset),
+east is ejected by its probes, its silent stream ends with an error event and [DONE], and it is
+re-admitted once the link is back."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class FrontDoor:
     gateway: GatewayProcess
     east: Cluster
     west: Cluster
+    network: RegionNetwork
 
     def served(self) -> dict[str, float]:
         """Requests the front door completed per cluster (its `ember_gateway_requests_total`, status 200)."""
@@ -77,7 +80,7 @@ def front_door(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         config_path = workdir / "front-door.yaml"
         config_path.write_text(yaml.safe_dump(config))
         gateway = GatewayProcess(config_path, workdir / "front-door.log", grpc=False)
-        door = FrontDoor(gateway, east, west)
+        door = FrontDoor(gateway, east, west, network)
         wait_until(
             lambda: http.get(gateway.url + "/ready").status_code == 200, 60, "the front door to admit both"
         )
@@ -220,6 +223,30 @@ def test_a_cluster_killed_under_load_fails_over_and_is_readmitted(front_door: Fr
 
     # East back (same addresses): probed back and preferred again.
     front_door.east.start()
+    before = front_door.served()
+    wait_until(lambda: chat(front_door).status_code == 200 and front_door.served()["east"] > before["east"], 60,
+               "east to be re-admitted")  # fmt: skip
+
+
+def test_a_partitioned_cluster_is_left_and_its_silent_streams_end(front_door: FrontDoor):
+    if not front_door.network.isolated:
+        pytest.skip("a partition needs the regions in network namespaces (root); loopback cannot be cut")
+    wait_until(lambda: chat(front_door).status_code == 200, 60, "a front door serving")
+    east_streaming = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long_stream = pool.submit(stream, front_door, 400, east_streaming)
+        assert east_streaming.wait(60), "the long stream did not start"
+        # No reset, no close: east's gateway keeps streaming into a link that is down.
+        front_door.network.partition(front_door.east.region)
+        try:
+            cut = long_stream.result(timeout=60)
+            assert not cut.hung and cut.cut, cut.events[-3:]
+            assert "since it was ejected" in cut.error["message"]
+            before = front_door.served()
+            assert all(chat(front_door).status_code == 200 for _ in range(3))
+            assert front_door.served()["west"] - before["west"] == 3
+        finally:
+            front_door.network.heal(front_door.east.region)
     before = front_door.served()
     wait_until(lambda: chat(front_door).status_code == 200 and front_door.served()["east"] > before["east"], 60,
                "east to be re-admitted")  # fmt: skip
