@@ -89,7 +89,9 @@ class _ReplicaCredential(StrictModel):
     vLLM's or `ember serve`'s --api-key). Never a client's key: those stay at the gateway."""
 
     api_key: str | None = Field(default=None, repr=False, description="The replica's key itself")
-    api_key_env: str | None = Field(default=None, description="Environment variable holding the replica's key")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the replica's key"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> _ReplicaCredential:
@@ -133,7 +135,9 @@ class KubernetesDiscovery(StrictModel):
     """The ready endpoints of a Kubernetes Service are the deployment's replicas (ember.gateway.discovery)."""
 
     service: str = Field(description="The Service whose EndpointSlices list the replicas")
-    namespace: str | None = Field(default=None, description="Default: the namespace the gateway's pod runs in")
+    namespace: str | None = Field(
+        default=None, description="Default: the namespace the gateway's pod runs in"
+    )
     port: str | int = Field(default="http", description="The Service port's name, or its number")
     scheme: Literal["http", "https"] = "http"
     capacity: int = Field(default=16, gt=0, description="Max concurrent requests the gateway sends each pod")
@@ -146,7 +150,9 @@ class DiscoveryConfig(StrictModel):
 
 class DeploymentConfig(_ReplicaCredential):
     name: str = "default"
-    model: str | None = Field(default=None, description="Model id the replicas serve; defaults to the model name")
+    model: str | None = Field(
+        default=None, description="Model id the replicas serve; defaults to the model name"
+    )
     version: str | None = None
     weight: float = Field(default=1.0, ge=0)
     # Empty for an autoscaled model, whose replicas the autoscaler starts and registers, and for one
@@ -170,19 +176,33 @@ class AutoscalingConfig(StrictModel):
     max_replicas: int = Field(ge=1)
     ttft_p90_ms: float = Field(gt=0, description="Objective: p90 time to first token at the gateway")
     itl_p90_ms: float = Field(gt=0, description="Objective: p90 inter-token latency on the replicas")
-    queue_wait_p90_ms: float | None = Field(default=None, gt=0, description="Objective: p90 gateway queue wait")
-    scale_up_delay_s: float = Field(default=0.0, ge=0, description="How long a breach lasts before scaling up")
-    scale_down_delay_s: float = Field(default=60.0, ge=0, description="How long one replica fewer must suffice")
-    scale_to_zero_after_s: float = Field(default=300.0, gt=0, description="Idle time before 1 -> 0 (min 0 only)")
+    queue_wait_p90_ms: float | None = Field(
+        default=None, gt=0, description="Objective: p90 gateway queue wait"
+    )
+    scale_up_delay_s: float = Field(
+        default=0.0, ge=0, description="How long a breach lasts before scaling up"
+    )
+    scale_down_delay_s: float = Field(
+        default=60.0, ge=0, description="How long one replica fewer must suffice"
+    )
+    scale_to_zero_after_s: float = Field(
+        default=300.0, gt=0, description="Idle time before 1 -> 0 (min 0 only)"
+    )
     cost_per_replica_hour: float = Field(default=0.0, ge=0, description="For reports")
-    stable_window_s: float = Field(default=30.0, gt=0, description="Window of the p90s that scale up and down")
+    stable_window_s: float = Field(
+        default=30.0, gt=0, description="Window of the p90s that scale up and down"
+    )
     panic_window_s: float = Field(default=6.0, gt=0, description="Short window that only scales up")
-    hold_limit: int = Field(default=64, ge=0, description="Requests held while the model has no ready replica")
+    hold_limit: int = Field(
+        default=64, ge=0, description="Requests held while the model has no ready replica"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingConfig:
         if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})"
+            )
         if self.panic_window_s > self.stable_window_s:
             raise ValueError(
                 f"panic_window_s ({self.panic_window_s}) is longer than stable_window_s ({self.stable_window_s})"
@@ -196,6 +216,13 @@ class RoutingConfig(StrictModel):
     options: dict[str, Any] = Field(default_factory=dict)
     # Client region -> nearest region with healthy capacity; off means regions are ignored for this model.
     region_aware: bool = True
+    spill_when_waiting: int | None = Field(
+        default=None,
+        ge=1,
+        description="Leave a region whose replicas' scraped /metrics show this many requests waiting (or, for "
+        "cluster gateways, every healthy replica's slots taken) as if it were at capacity; "
+        "default off, 1 for a front door's clusters",
+    )
 
 
 class GatewayModelConfig(StrictModel):
@@ -244,7 +271,9 @@ class KeyPolicy(StrictModel):
     )
     priority: int = Field(default=0, ge=0, description="Queue tier; a higher tier is served first")
     max_priority: int | None = Field(
-        default=None, ge=0, description="Highest tier a request may ask for (x-ember-priority); default: priority"
+        default=None,
+        ge=0,
+        description="Highest tier a request may ask for (x-ember-priority); default: priority",
     )
     rpm: int | None = Field(default=None, gt=0, description="Requests per minute")
     tpm: int | None = Field(default=None, gt=0, description="Tokens (prompt + completion) per minute")
@@ -337,10 +366,13 @@ class MetricsConfig(StrictModel):
 
     require_auth: bool = Field(default=False, description="Serve /metrics only to the admin key")
     key_labels: Literal["name", "id", "none"] = Field(
-        default="name", description="What the `key` label of per-key metrics holds: the key's name, its id, or nothing"
+        default="name",
+        description="What the `key` label of per-key metrics holds: the key's name, its id, or nothing",
     )
     replica_price_per_hour: float | None = Field(
-        default=None, ge=0, description="What one replica costs per hour, for the console's cost per 1M output tokens"
+        default=None,
+        ge=0,
+        description="What one replica costs per hour, for the console's cost per 1M output tokens",
     )
 
 
@@ -348,8 +380,9 @@ class ClustersConfig(StrictModel):
     """A front door: this gateway serves `models` through other gateways (clusters), each with its own
     replicas. Expanded at load into one model per name whose replicas are the cluster gateways, so the
     routing of docs/routing.md applies: nearest healthy cluster first by the regions' latency matrix,
-    spill-over when one is at capacity, ejection when its `/ready` fails (the health path becomes
-    `/ready` unless `health.path` is set) or its requests fail, probed back afterwards."""
+    spill-over when one is at capacity or its scraped queue is building (`routing.spill_when_waiting`,
+    1 unless set), ejection when its `/ready` fails (the health path becomes `/ready` unless
+    `health.path` is set) or its requests fail, probed back afterwards."""
 
     models: list[str] = Field(min_length=1, description="Model names every cluster serves")
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
@@ -366,13 +399,20 @@ def _expand_clusters(data: Any) -> Any:
         raise ValueError("a front door (clusters) serves clusters.models; leave models out")
     clusters = ClustersConfig.model_validate(data["clusters"])
     members = [
-        (name, member.model_dump(exclude={"id"}, exclude_none=True)) for name, member in clusters.members.items()
+        (name, member.model_dump(exclude={"id"}, exclude_none=True))
+        for name, member in clusters.members.items()
     ]
+    routing = clusters.routing.model_dump()
+    if "spill_when_waiting" not in clusters.routing.model_fields_set:
+        routing["spill_when_waiting"] = 1  # a cluster with a request in its queue is spilled from
     models = {
         model: {
-            "routing": clusters.routing.model_dump(),
+            "routing": routing,
             "deployments": [
-                {"name": "clusters", "replicas": [{**member, "id": f"{name}/{model}"} for name, member in members]}
+                {
+                    "name": "clusters",
+                    "replicas": [{**member, "id": f"{name}/{model}"} for name, member in members],
+                }
             ],
         }
         for model in clusters.models
@@ -430,9 +470,13 @@ class GatewayConfig(StrictModel):
         known = set(self.regions)
         problems: list[str] = []
         if self.metrics.require_auth and self.admin_key_sha256 is None:
-            problems.append("metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics")
+            problems.append(
+                "metrics.require_auth needs admin_key_sha256: only the admin key may read /metrics"
+            )
         if self.state.shared and self.keys.store is not None:
-            problems.append("keys.store is the embedded SQLite key store: with state.backend shared, keys live in PostgreSQL")
+            problems.append(
+                "keys.store is the embedded SQLite key store: with state.backend shared, keys live in PostgreSQL"
+            )
         if self.listener_region is not None and known and self.listener_region not in known:
             problems.append(f"listener_region {self.listener_region!r} is not declared under regions")
         for region, region_config in self.regions.items():
@@ -449,7 +493,9 @@ class GatewayConfig(StrictModel):
                         problems.append(f"{where}.region {replica.region!r} is not declared under regions")
                     previous = seen_ids.get(replica.replica_id)
                     if previous is not None:
-                        problems.append(f"{where}: replica id {replica.replica_id!r} already used at {previous}")
+                        problems.append(
+                            f"{where}: replica id {replica.replica_id!r} already used at {previous}"
+                        )
                     seen_ids[replica.replica_id] = where
         if problems:
             raise ValueError("; ".join(problems))
@@ -479,7 +525,9 @@ def _replica_source_problems(model_name: str, model: GatewayModelConfig) -> list
             if not deployment.replicas and deployment.discovery is None
         ]
     if len(model.deployments) != 1:
-        return [f"models.{model_name}.deployments: an autoscaled model has exactly one deployment, its replicas join it"]
+        return [
+            f"models.{model_name}.deployments: an autoscaled model has exactly one deployment, its replicas join it"
+        ]
     if model.deployments[0].replicas:
         return [
             f"models.{model_name}.deployments[0].replicas: must be empty for an autoscaled model "
@@ -557,7 +605,9 @@ def load_config(path: str | Path, overlays: Sequence[str | Path] = ()) -> Gatewa
     for overlay_path in map(Path, overlays):
         overlay = _read_yaml(overlay_path)
         if not isinstance(data, dict) or not isinstance(overlay, dict):
-            raise GatewayConfigError(f"{overlay_path}: an overlay and the config it extends must both be mappings")
+            raise GatewayConfigError(
+                f"{overlay_path}: an overlay and the config it extends must both be mappings"
+            )
         data = merge_mappings(data, overlay)
     source = " + ".join(map(str, [path, *overlays]))
     return parse_config(data, source=source, base_dir=path.parent)
@@ -566,7 +616,12 @@ def load_config(path: str | Path, overlays: Sequence[str | Path] = ()) -> Gatewa
 def with_replica_api_keys(config: GatewayConfig, api_keys: Mapping[str, str]) -> GatewayConfig:
     """`config` with the replicas named by id in `api_keys` carrying those keys (in place of any they
     had): how `ember up`'s gateway learns the service credential of the replicas it launched."""
-    known = {replica.replica_id for model in config.models.values() for d in model.deployments for replica in d.replicas}
+    known = {
+        replica.replica_id
+        for model in config.models.values()
+        for d in model.deployments
+        for replica in d.replicas
+    }
     unknown = sorted(set(api_keys) - known)
     if unknown:
         raise GatewayConfigError(f"no replica under models has the id(s): {', '.join(unknown)}")

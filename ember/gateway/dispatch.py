@@ -43,6 +43,7 @@ from ember.gateway.shared.connection import SharedState
 from ember.gateway.shared.keys import SharedKeyStore
 from ember.gateway.shared.ratelimit import SharedAdmission, SharedRateLimiter
 from ember.gateway.shared.usage import SharedUsageLedger
+from ember.gateway.stalled_streams import StalledStreams
 from ember.gateway.token_estimate import estimate_request_tokens
 from ember.gateway.usage import UsageLedger
 
@@ -65,13 +66,16 @@ class Dispatcher:
         self.shared = SharedState(config.state) if config.state.shared else None
         self.shared_keys = SharedKeyStore(self.shared) if self.shared is not None else None
         self.keys = KeyRing(config, self.store, self.shared_keys)
-        self.usage = SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
+        self.usage = (
+            SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
+        )
         self.limiter: RateLimiter | SharedRateLimiter = (
             SharedRateLimiter(self.shared, self.usage) if self.shared is not None else RateLimiter(self.usage)
         )
         self.queue = AdmissionQueue(self.pool, config.queue.max_size, self.metrics)
         self.client = UpstreamClient(config.timeouts)
         self.health = HealthProber(self.pool, self.client, config.health)
+        self.stalled = StalledStreams(self.pool, config.health)
         self.scraper = MetricsScraper(self.pool, self.client, config.scrape)
         self.router = Router(config, self.pool)
 
@@ -123,7 +127,9 @@ class Dispatcher:
         request = parse_request_body(endpoint, body)
         model = request.model
         if model not in self.config.models:
-            raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+            raise GatewayError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
         policy = principal.policy
         if not policy.allows_model(model):
             self.metrics.count_request(model, self.metrics.key_label(principal), "", "403")
@@ -153,7 +159,9 @@ class Dispatcher:
             self.metrics.count_request(model, key, "", str(exc.status))
             raise
         try:
-            return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
+            return await self._forward(
+                ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body
+            )
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
@@ -188,13 +196,20 @@ class Dispatcher:
         """How many requests an autoscaled model with no ready replica holds (None: the queue's limit)."""
         return self.config.models[model].autoscaling.hold_limit if self.holds_for_a_replica(model) else None
 
-    def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
+    def _upstream_body(
+        self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool
+    ) -> bytes:
         """The body for the replica: its model name, the engine priority of the request's tier in
         place of any the client sent, and usage for streams. The client's bytes go as they are when
         none of that changes them (tier 0 is the engine's default priority)."""
         body = ctx.body
         priority = engine_priority(ctx.priority)
-        unchanged = replica.upstream_model == ctx.model and not force_usage and "priority" not in body and priority == 0
+        unchanged = (
+            replica.upstream_model == ctx.model
+            and not force_usage
+            and "priority" not in body
+            and priority == 0
+        )
         if unchanged and raw_body is not None:
             return raw_body
         body = {**body, "model": replica.upstream_model, "priority": priority}
@@ -225,7 +240,11 @@ class Dispatcher:
             ctx.attempt = attempt
             try:
                 replica = await self.queue.acquire(
-                    ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude), self._hold_limit(ctx.model)
+                    ctx.model,
+                    ctx.priority,
+                    deadline,
+                    lambda: self._select(ctx, exclude),
+                    self._hold_limit(ctx.model),
                 )
             except GatewayError as exc:
                 if last_failure is not None:
@@ -241,7 +260,9 @@ class Dispatcher:
             self.metrics.routing_for(ctx.model, routing_policy, replica.id, reason).inc()
             response: UpstreamResponse | None = None
             try:
-                response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))
+                response = await self.client.post(
+                    replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage)
+                )
                 if response.status >= 500:
                     body = await read_body(response)
                     raise UpstreamFailure(
@@ -250,7 +271,9 @@ class Dispatcher:
                 is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
                 if not stream or response.status != 200 or not is_sse:
                     body = await read_body(response)
-                    result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
+                    result = UpstreamResult(
+                        replica, response.status, self._headers(response, admission), body=body
+                    )
                     self.pool.mark_success(replica)
                     self.metrics.observe_ttft(ctx.model, time.monotonic() - arrival)
                     self._finish(ctx, principal, admission, arrival, result, "ok", result.usage)
@@ -275,7 +298,7 @@ class Dispatcher:
             self.pool.mark_success(replica)
             first_token_s = time.monotonic() - arrival
             self.metrics.observe_ttft(ctx.model, first_token_s)
-            return UpstreamResult(
+            streamed = UpstreamResult(
                 replica,
                 200,
                 self._headers(response, admission),
@@ -287,6 +310,8 @@ class Dispatcher:
                     ctx, principal, admission, arrival, result, outcome, usage, first_token_s
                 ),
             )
+            self.stalled.watch(streamed)
+            return streamed
         assert last_failure is not None
         tried = len(exclude)
         raise GatewayError(
@@ -314,6 +339,8 @@ class Dispatcher:
     ) -> None:
         """Once per dispatched request that reached a replica: free its slot, settle limits, account."""
         replica = result.replica
+        if result.stream:
+            self.stalled.forget(result)
         if result.stream and outcome == "error" and result.failure is not None:
             self.pool.mark_failure(replica, result.failure.reason, eject_now=result.failure.eject_now)
         self.pool.release(replica)

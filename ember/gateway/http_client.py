@@ -230,6 +230,10 @@ class UpstreamResponse:
         else:
             connection.close()
 
+    def fail(self, reason: str) -> None:
+        """Give up on the replica: the pending and every later read raises UpstreamClosed(reason)."""
+        self._on_error(UpstreamClosed(reason))
+
     def close(self) -> None:
         """Abandon the response (the replica sees the disconnect and can stop generating)."""
         connection, self._connection = self._connection, None
@@ -244,7 +248,9 @@ class HttpClient:
         self.read_s = read_s
         self._origins: dict[tuple[str, str | None], _Origin] = {}
 
-    async def post_json(self, base_url: str, path: bytes, body: bytes, api_key: str | None = None) -> UpstreamResponse:
+    async def post_json(
+        self, base_url: str, path: bytes, body: bytes, api_key: str | None = None
+    ) -> UpstreamResponse:
         """POST `body` to base_url + path (with `Authorization: Bearer <api_key>` when given); returns
         once the response headers arrived."""
         origin = self._origins.get((base_url, api_key))
@@ -289,7 +295,9 @@ class HttpClient:
                 self.connect_s,
             )  # fmt: skip
         except TimeoutError:
-            raise ConnectTimeout(f"no connection to {origin.host}:{origin.port} within {self.connect_s} s") from None
+            raise ConnectTimeout(
+                f"no connection to {origin.host}:{origin.port} within {self.connect_s} s"
+            ) from None
         return connection
 
     def _put_idle(self, origin: _Origin, connection: _Connection) -> None:

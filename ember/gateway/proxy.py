@@ -7,6 +7,7 @@ failure after the first event ends the stream with an error event, never a hang.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -25,7 +26,9 @@ class UpstreamFailure(Exception):
     """The replica failed before anything reached the client: the request may go to another one.
     `eject_now`: the failure shows the replica is unreachable (passive ejection)."""
 
-    def __init__(self, reason: str, detail: str, eject_now: bool, status: int | None = None, body: bytes = b""):
+    def __init__(
+        self, reason: str, detail: str, eject_now: bool, status: int | None = None, body: bytes = b""
+    ):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -44,7 +47,9 @@ def classify(exc: BaseException) -> UpstreamFailure:
     if isinstance(exc, ConnectionRefusedError | ConnectTimeout):
         return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
     if isinstance(exc, ConnectionError):
-        return UpstreamFailure("disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True)
+        return UpstreamFailure(
+            "disconnected", f"connection lost: {exc or type(exc).__name__}", eject_now=True
+        )
     if isinstance(exc, OSError):
         return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
     return UpstreamFailure("error", f"{type(exc).__name__}: {exc}", eject_now=False)
@@ -116,7 +121,14 @@ def usage_of(payload: bytes) -> dict | None:
 
 def stream_error_payload(message: str) -> bytes:
     return orjson.dumps(
-        {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_stream_error"}}
+        {
+            "error": {
+                "message": message,
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_stream_error",
+            }
+        }
     )
 
 
@@ -154,6 +166,7 @@ class UpstreamResult:
         self._finisher = finisher
         self.usage: dict | None = None if response is not None else usage_of(body)
         self.failure: UpstreamFailure | None = None
+        self.last_data_at = time.monotonic()  # a stream's last bytes from the replica (stalled_streams.py)
 
     def json(self) -> dict:
         return orjson.loads(self.body)
@@ -179,8 +192,11 @@ class UpstreamResult:
                     outcome = "error"
                     yield stream_error_payload(f"The replica failed mid-stream ({self.failure.detail}).")
                     return
+                self.last_data_at = time.monotonic()
                 if not chunk:
-                    self.failure = UpstreamFailure("disconnected", "stream ended without [DONE]", eject_now=False)
+                    self.failure = UpstreamFailure(
+                        "disconnected", "stream ended without [DONE]", eject_now=False
+                    )
                     outcome = "error"
                     yield stream_error_payload("The replica closed the stream before it was complete.")
                     return
@@ -203,6 +219,11 @@ class UpstreamResult:
 
     async def aclose(self) -> None:
         self._finish("cancelled")
+
+    def abort(self, reason: str) -> None:
+        """End a stream the replica stopped feeding: its reader gets an error event and ends."""
+        if self._response is not None:
+            self._response.fail(reason)
 
     def _finish(self, outcome: str) -> None:
         if self._response is not None:
@@ -235,4 +256,3 @@ async def read_body(response: UpstreamResponse) -> bytes:
     except UPSTREAM_ERRORS as exc:
         response.close()
         raise classify(exc) from None
-

@@ -27,6 +27,8 @@ class ReplicaMetrics:
     kv_usage: float | None = None  # 0..1
     prefix_cache_hits: float | None = None  # tokens, cumulative counter
     prefix_cache_queries: float | None = None  # tokens, cumulative counter
+    capacity: float | None = None  # a cluster gateway's: the capacity of its healthy replicas
+    own_at_scrape: int = 0  # this gateway's requests on it while the scrape was under way, at most
     scraped_at: float = 0.0  # time.monotonic()
 
 
@@ -47,6 +49,7 @@ class Replica:
     # Configured replicas start un-admitted (healthy False) until their first successful probe.
     awaiting_first_probe: bool = False
     outstanding: int = 0
+    acquired: int = 0  # requests ever sent to it (with `outstanding`, what a scrape may have counted of ours)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     ejected_at: float | None = None
@@ -61,6 +64,20 @@ class Replica:
     @property
     def has_capacity(self) -> bool:
         return self.healthy and self.outstanding < self.capacity
+
+    def queue_building(self, waiting_threshold: int) -> bool:
+        """Whether the last scrape says the next request would wait here: `waiting_threshold` or more
+        requests queued, or (a cluster gateway) every slot of its healthy replicas taken. The running
+        count is corrected by this gateway's own requests that ended or started since the scrape, so
+        one client's back-to-back requests are not judged on the one before."""
+        metrics = self.metrics
+        if not metrics.scraped_at:
+            return False
+        if metrics.waiting is not None and metrics.waiting >= waiting_threshold:
+            return True
+        if metrics.capacity is None or metrics.running is None:
+            return False
+        return metrics.running - metrics.own_at_scrape + self.outstanding >= metrics.capacity
 
     @property
     def free_slots(self) -> int:
@@ -154,6 +171,7 @@ class ReplicaPool:
 
     def acquire(self, replica: Replica) -> None:
         replica.outstanding += 1
+        replica.acquired += 1
 
     def release(self, replica: Replica) -> None:
         replica.outstanding -= 1

@@ -7,7 +7,8 @@ Three layers, each narrowing the previous one's choice:
   1. canary: the deployment (version), by traffic weight, among deployments with a usable replica
      (healthy and not in `exclude`, the replicas a failover retry already tried);
   2. region: the nearest region to the client with a free slot in that deployment (when the model
-     has `routing.region_aware`, the default);
+     has `routing.region_aware`, the default), and, with `routing.spill_when_waiting`, whose scraped
+     queue is not building;
   3. the model's policy (`routing.policy`) among that region's usable replicas with a free slot.
 
 Every decision is left in `ctx.extra["route"]` as a RouteDecision (deployment, region and policy
@@ -47,10 +48,12 @@ class Router:
         rng = rng or random.Random()
         self._policies: dict[str, RoutingPolicy] = {}
         self._region_aware: dict[str, bool] = {}
+        self._spill_when_waiting: dict[str, int | None] = {}
         for name, model in config.models.items():
             policy_class = POLICIES[model.routing.policy]
             self._policies[name] = policy_class(model.routing.options, random.Random(rng.random()))
             self._region_aware[name] = model.routing.region_aware
+            self._spill_when_waiting[name] = model.routing.spill_when_waiting
         self._canary = CanarySplitter(random.Random(rng.random()))
         self._regions = RegionSelector(config)
         pool.add_listener(self._on_pool_event)
@@ -58,12 +61,16 @@ class Router:
     def policy(self, model: str) -> RoutingPolicy:
         return self._policies[model]
 
-    def select(self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()) -> Replica | None:
+    def select(
+        self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()
+    ) -> Replica | None:
         decision = self.decide(model, ctx, exclude)
         ctx.extra["route"] = decision
         return decision.replica
 
-    def decide(self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()) -> RouteDecision:
+    def decide(
+        self, model: str, ctx: RequestContext, exclude: Collection[str] = frozenset()
+    ) -> RouteDecision:
         policy = self._policies.get(model)
         if policy is None:
             return RouteDecision(None, "", "unknown-model")
@@ -78,14 +85,18 @@ class Router:
         deployment, deployment_reason = deployment_pick
         in_deployment = [replica for replica in replicas if replica.deployment == deployment]
         if self._region_aware[model]:
-            region_pick = self._regions.pick(in_deployment, exclude, ctx.client_region)
+            region_pick = self._regions.pick(
+                in_deployment, exclude, ctx.client_region, self._spill_when_waiting[model]
+            )
             candidates, region, region_reason = region_pick.candidates, region_pick.region, region_pick.reason
         else:
             candidates = [r for r in in_deployment if r.has_capacity and r.id not in exclude]
             region, region_reason = None, None
         choice = policy.choose(candidates, ctx) if candidates else None
         if choice is None:
-            return RouteDecision(None, policy.name, "saturated", deployment, deployment_reason, region, region_reason)
+            return RouteDecision(
+                None, policy.name, "saturated", deployment, deployment_reason, region, region_reason
+            )
         return RouteDecision(
             choice.replica, policy.name, choice.reason, deployment, deployment_reason, region, region_reason
         )

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -164,7 +165,9 @@ class FakeReplica:
         yield
 
     async def _health(self, request: Request) -> Response:
-        return PlainTextResponse("ok" if self.health_status == 200 else "down", status_code=self.health_status)
+        return PlainTextResponse(
+            "ok" if self.health_status == 200 else "down", status_code=self.health_status
+        )
 
     async def _metrics(self, request: Request) -> Response:
         return PlainTextResponse(
@@ -185,7 +188,9 @@ class FakeReplica:
             chat = request.url.path.endswith("chat/completions")
             if body.get("stream"):
                 include_usage = (body.get("stream_options") or {}).get("include_usage") is True
-                return StreamingResponse(self._stream(body, chat, include_usage), media_type="text/event-stream")
+                return StreamingResponse(
+                    self._stream(body, chat, include_usage), media_type="text/event-stream"
+                )
             text = "".join(self.chunks)
             choice = (
                 {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
@@ -225,7 +230,12 @@ class FakeReplica:
                     self._gate.clear()
                     await self._gate.wait()
             if include_usage:
-                usage_chunk = {"id": f"cmpl-{self.name}", "model": body.get("model"), "choices": [], "usage": self.usage}
+                usage_chunk = {
+                    "id": f"cmpl-{self.name}",
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": self.usage,
+                }
                 yield b"data: " + orjson.dumps(usage_chunk) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -250,15 +260,26 @@ class _RecordAuthorization:
 
 
 class EmberServe:
-    """One `ember serve` process on a fixed port (so a restart comes back at the same URL)."""
+    """One `ember serve` process on a fixed port (so a restart comes back at the same URL). `host` and
+    `prefix` place it elsewhere, e.g. in a network namespace (`ip netns exec NAME`, regions_harness)."""
 
-    def __init__(self, model_dir: Path, name: str, max_num_seqs: int = 8, max_model_len: int = 512):
+    def __init__(
+        self,
+        model_dir: Path,
+        name: str,
+        max_num_seqs: int = 8,
+        max_model_len: int = 512,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+    ):
         self.model_dir = model_dir
         self.name = name
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.host = host
+        self.prefix = list(prefix)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> EmberServe:
@@ -267,8 +288,8 @@ class EmberServe:
 
     def launch(self) -> None:
         command = [
-            sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
-            "--served-model-name", "tiny", "--port", str(self.port), "--num-threads", "1",
+            *self.prefix, sys.executable, "-m", "ember.cli", "serve", "--model", str(self.model_dir), "--dtype", "float32",
+            "--served-model-name", "tiny", "--host", self.host, "--port", str(self.port), "--num-threads", "1",
             "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len), "--log-level", "warning",
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -292,6 +313,60 @@ class EmberServe:
             self.process.wait()
 
 
+class GatewayProcess:
+    """One `ember gateway` process for a config file; `host` and `prefix` as for EmberServe."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        log_path: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        grpc: bool = True,
+        prefix: Sequence[str] = (),
+    ):
+        self.port = port or free_port()
+        self.grpc_port = free_port() if grpc else None
+        self.url = f"http://{host}:{self.port}"
+        command = [
+            *prefix, sys.executable, "-m", "ember.cli", "gateway", "--config", str(config_path),
+            "--host", host, "--port", str(self.port),
+        ]  # fmt: skip
+        if self.grpc_port is not None:
+            command += ["--grpc-port", str(self.grpc_port)]
+        self.log_path = log_path
+        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+
+        def up() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"ember gateway exited: {log_path.read_text()[-2000:]}")
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout_s=60, what="ember gateway to listen")
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
 class GatewayServer:
     def __init__(self, config: dict, base_dir: Path):
         self.config = parse_config(config, base_dir=base_dir)
@@ -311,7 +386,12 @@ class GatewayServer:
 def model_config(*replicas: FakeReplica, capacity: int = 8, **routing) -> dict:
     return {
         "routing": routing or {"policy": "least-outstanding"},
-        "deployments": [{"name": "main", "replicas": [{"url": r.url, "id": r.name, "capacity": capacity} for r in replicas]}],
+        "deployments": [
+            {
+                "name": "main",
+                "replicas": [{"url": r.url, "id": r.name, "capacity": capacity} for r in replicas],
+            }
+        ],
     }
 
 
@@ -328,5 +408,3 @@ def gateway_config(models: dict, keys: list[dict], **extra) -> dict:
     }
     config.update(extra)
     return config
-
-

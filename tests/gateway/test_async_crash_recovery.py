@@ -3,17 +3,11 @@ a restart on the same job store every job completes and every webhook is deliver
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import grpc
 import httpx
 import pytest
 import yaml
-from gateway_harness import FakeReplica, free_port, sha256, wait_until
+from gateway_harness import FakeReplica, GatewayProcess, sha256, wait_until
 from protocols_support import KEY, WebhookReceiver, auth
 
 from ember.gateway.jobs.webhooks import verify
@@ -21,47 +15,6 @@ from ember.gateway.proto.ember.v1 import inference_pb2 as pb
 from ember.gateway.proto.ember.v1 import inference_pb2_grpc as pb_grpc
 
 JOBS = 20
-
-
-class GatewayProcess:
-    def __init__(self, config_path: Path, log_path: Path):
-        self.port = free_port()
-        self.grpc_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [
-            sys.executable, "-m", "ember.cli", "gateway", "--config", str(config_path),
-            "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-        ]  # fmt: skip
-        self.log_path = log_path
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ)
-        )
-
-        def up() -> bool:
-            if self.process.poll() is not None:
-                raise AssertionError(f"ember gateway exited: {log_path.read_text()[-2000:]}")
-            try:
-                return httpx.get(self.url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, timeout_s=60, what="ember gateway to listen")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-        self.log.close()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 @pytest.mark.slow

@@ -26,7 +26,9 @@ def chat(gateway, stream: bool = False) -> httpx.Response:
 def test_connection_refused_is_retried_and_the_replica_ejected(start_gateway):
     dying, live = FakeReplica("dying").start(), FakeReplica("live").start()
     try:
-        config = gateway_config({"tiny": two_replica_model(dying.url, live.url)}, [dict(KEY)], health=SLOW_PROBES)
+        config = gateway_config(
+            {"tiny": two_replica_model(dying.url, live.url)}, [dict(KEY)], health=SLOW_PROBES
+        )
         gateway = start_gateway(config)  # both admitted by the first round of probes
         dying.stop()  # the next probe is a minute away: only a request can find it gone
         responses = [chat(gateway), chat(gateway, stream=True), chat(gateway), chat(gateway, stream=True)]
@@ -52,7 +54,9 @@ def test_5xx_is_retried_on_another_replica_and_all_failing_gives_502(start_gatew
         assert [response.status_code for response in responses] == [200] * 4
         assert {response.json()["system_fingerprint"] for response in responses} == {"healthy"}
         assert len(failing.requests) >= 1
-        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="http_500") == len(failing.requests)
+        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="http_500") == len(
+            failing.requests
+        )
         healthy.fail_status = 503
         everything_fails = chat(gateway)
         assert everything_fails.status_code == 502
@@ -68,7 +72,9 @@ def test_client_errors_are_passed_through_not_retried(start_gateway):
     first, second = FakeReplica("first").start(), FakeReplica("second").start()
     try:
         first.fail_status = second.fail_status = 422
-        gateway = start_gateway(gateway_config({"tiny": two_replica_model(first.url, second.url)}, [dict(KEY)]))
+        gateway = start_gateway(
+            gateway_config({"tiny": two_replica_model(first.url, second.url)}, [dict(KEY)])
+        )
         response = chat(gateway)
         assert response.status_code == 422
         assert response.json()["error"]["message"].endswith("fails")
@@ -94,6 +100,42 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_then_done(star
         assert events[2] == "[DONE]"
         assert gateway.dispatcher.pool.get("fragile").outstanding == 0
     finally:
+        replica.stop()
+
+
+def test_a_stream_left_silent_on_an_ejected_replica_ends_with_an_error_then_done(start_gateway):
+    replica = FakeReplica("silent").start()
+    try:
+        replica.pause_after_first_chunk = True  # the first chunk, then nothing (a partition, a hung host)
+        models = {"tiny": {"deployments": [{"replicas": [{"url": replica.url, "id": "silent"}]}]}}
+        probes = {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1}
+        gateway = start_gateway(gateway_config(models, [dict(KEY)], health=probes))
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(chat, gateway, True)
+            wait_until(
+                lambda: gateway.metric("ember_gateway_time_to_first_token_seconds_count", model="tiny") == 1,
+                what="the stream's first chunk at the gateway",
+            )
+            replica.health_status = 503  # probes fail: ejected; the stream still has had nothing since
+            response = streaming.result(timeout=30)  # well before timeouts.read_s (120 s)
+        events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+        assert orjson.loads(events[0])["choices"][0]["delta"]["content"] == "Hello"
+        error = orjson.loads(events[1])["error"]
+        assert error["code"] == "upstream_stream_error" and "since it was ejected" in error["message"]
+        assert events[2:] == ["[DONE]"]
+        assert gateway.dispatcher.pool.get("silent").outstanding == 0
+        assert (
+            gateway.metric(
+                "ember_gateway_requests_total",
+                model="tiny",
+                key="ci",
+                replica="silent",
+                status="stream_error",
+            )
+            == 1
+        )
+    finally:
+        replica.release()
         replica.stop()
 
 
@@ -143,7 +185,9 @@ def test_a_replica_is_sent_nothing_before_its_first_successful_probe(start_gatew
 
         # Past its deadline, a request that waited for the replica gets the no-replica answer.
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-        late = http.post(gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "300"})
+        late = http.post(
+            gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "300"}
+        )
         assert late.status_code == 503
         assert late.json()["error"]["code"] == "no_healthy_replica"
         # One that arrives now waits in the queue, then is served once a probe passes.
@@ -168,14 +212,18 @@ def test_a_failover_retry_does_not_wait_for_a_replica_that_never_answered(start_
     failing.fail_status = 500
     try:
         never_up = f"http://127.0.0.1:{free_port()}"
-        config = gateway_config({"tiny": two_replica_model(failing.url, never_up)}, [dict(KEY)], health=SLOW_PROBES)
+        config = gateway_config(
+            {"tiny": two_replica_model(failing.url, never_up)}, [dict(KEY)], health=SLOW_PROBES
+        )
         gateway = start_gateway(config)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         # The deadline is beyond the client's 30 s timeout: only an answer that does not wait for "second" passes.
         response = http.post(gateway.url + "/v1/chat/completions", json=body, headers={**AUTH, "x-ember-deadline-ms": "120000"},
                              timeout=30)  # fmt: skip
         assert response.status_code == 502
-        assert response.json()["error"]["message"].endswith("1 replica(s) failed before responding (last: HTTP 500).")
+        assert response.json()["error"]["message"].endswith(
+            "1 replica(s) failed before responding (last: HTTP 500)."
+        )
         assert len(failing.requests) == 1
     finally:
         failing.stop()

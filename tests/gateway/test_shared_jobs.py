@@ -12,9 +12,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from gateway_harness import FakeReplica, sha256, wait_until
+from gateway_harness import FakeReplica, GatewayProcess, sha256, wait_until
 from protocols_support import KEY, ProtocolGateway, WebhookReceiver, auth, protocol_config
-from test_async_crash_recovery import GatewayProcess
 
 from ember.gateway.jobs.webhooks import verify
 

@@ -4,7 +4,10 @@ free slot. The region itself comes first (latency 0), then the others by latency
 the matrix count as infinitely far but are still used as the last resort.
 
 A request leaves its nearest region only when that region cannot take it: every replica there is
-ejected or excluded ("spill-outage") or every healthy one is at capacity ("spill-overload").
+ejected or excluded ("spill-outage") or every healthy one is at capacity ("spill-overload"). With
+`routing.spill_when_waiting` (a front door's clusters), a replica whose last scrape shows its queue
+building counts as at capacity too, unless every region's is: then the nearest with a free slot
+serves ("overloaded"), since the request would wait wherever it went.
 Without a client region, or with one the config never names, every region is equally good."""
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ember.gateway.replicas import Replica
 class RegionPick:
     candidates: list[Replica]  # usable replicas with a free slot in the chosen region; empty: none anywhere
     region: str | None
-    reason: str  # local | nearest | spill-outage | spill-overload | any-region | saturated
+    reason: str  # local | nearest | spill-outage | spill-overload | overloaded | any-region | saturated
 
 
 class RegionSelector:
@@ -37,9 +40,16 @@ class RegionSelector:
         }
         self._order_cache: dict[tuple[str, tuple[str | None, ...]], list[str | None]] = {}
 
-    def pick(self, replicas: Sequence[Replica], exclude: Collection[str], client_region: str | None) -> RegionPick:
+    def pick(
+        self,
+        replicas: Sequence[Replica],
+        exclude: Collection[str],
+        client_region: str | None,
+        spill_when_waiting: int | None = None,
+    ) -> RegionPick:
         """`replicas`: every replica of the chosen deployment, healthy or not (an outage is told apart
-        from an overload by the ones that are down)."""
+        from an overload by the ones that are down). `spill_when_waiting`: the model's
+        `routing.spill_when_waiting` (None: only the capacity count says a region is full)."""
         usable = [replica for replica in replicas if replica.healthy and replica.id not in exclude]
         if client_region is None or client_region not in self._known:
             free = [replica for replica in usable if replica.has_capacity]
@@ -50,9 +60,15 @@ class RegionSelector:
         for replica in usable:
             by_region[replica.region].append(replica)
         first_skip: str | None = None
+        nearest_overloaded: RegionPick | None = None  # the nearest free region whose queues all build
         for region in self._nearest_first(client_region, tuple(by_region)):
             group = by_region[region]
             free = [replica for replica in group if replica.has_capacity]
+            if free and spill_when_waiting is not None:
+                relieved = [r for r in free if not r.queue_building(spill_when_waiting)]
+                if not relieved:
+                    nearest_overloaded = nearest_overloaded or RegionPick(free, region, "overloaded")
+                free = relieved
             if free:
                 if first_skip is not None:
                     reason = first_skip
@@ -61,12 +77,13 @@ class RegionSelector:
                 return RegionPick(free, region, reason)
             if first_skip is None:
                 first_skip = "spill-overload" if group else "spill-outage"
-        return RegionPick([], None, "saturated")
+        return nearest_overloaded or RegionPick([], None, "saturated")
 
     def _nearest_first(self, client_region: str, regions: tuple[str | None, ...]) -> list[str | None]:
         key = (client_region, regions)
         order = self._order_cache.get(key)
         if order is None:
+
             def distance(region: str | None) -> tuple[float, int, str]:
                 if region is None:  # replicas without a region: after every named one
                     return float("inf"), 1, ""
