@@ -24,7 +24,13 @@ from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
 from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
-from ember.layers.linear import pack_gemm_weights, pack_linear_weights
+from ember.layers.linear import (
+    attach_quant_gemm,
+    pack_gemm_weights,
+    pack_linear_weights,
+    quantize_linears_int8,
+    quantized_gemm_path,
+)
 from ember.models import build_model
 from ember.models.config import ModelConfig, dtype_reason, onednn_supports_bfloat16
 
@@ -54,6 +60,10 @@ class ModelRunner:
         self.tp = tp
         self.model = build_model(config, self.device, tp)
         self.model.load_weights(state_dict)
+        if args.quantization == "int8":
+            logger.info("quantization int8: %d Linear weights quantized per output channel",
+                        quantize_linears_int8(self.model))
+        self.quant_gemm = attach_quant_gemm(self.model, args.kernels)
         layout = self.model.layout
         self.native = load_native_kernels(
             args.kernels, self.device, self.dtype, (config.hidden_size, layout.intermediate_size), config.head_dim,
@@ -83,6 +93,8 @@ class ModelRunner:
         self.dtype_reason = dtype_reason(args.dtype, self.device)
         self.kernel_level = self.native.level if self.native is not None else "none"
         self.kernel_paths = kernel_paths(self.native)
+        if self.quant_gemm is not None:
+            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm)
         logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,

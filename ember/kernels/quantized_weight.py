@@ -60,24 +60,8 @@ class QuantizedWeight:
             },
         )
 
-    @staticmethod
-    def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-        """The weights stacked along their rows (q/k/v into qkv); all of one format."""
-        first = weights[0]
-        if any(w.format != first.format for w in weights):
-            raise ValueError(f"cannot stack weights of formats {[w.format for w in weights]}")
-        return replace(
-            first,
-            **{
-                f.name: torch.cat([getattr(w, f.name) for w in weights])
-                for f in fields(first)
-                if isinstance(getattr(first, f.name), torch.Tensor)
-            },
-        )
-
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], as quant_gemm.c's dequantize_weight computes it (for a mix of formats in one
-        fused projection, where the loader falls back to float)."""
+        """float32 [N, K], as quant_gemm.c's dequantize_weight computes it (cat_rows' fallback)."""
         n, k = self.shape
         if self.format == "int8":
             return self.scales[:, None] * self.values.float()
@@ -114,3 +98,18 @@ class QuantizedWeight:
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         values = torch.round(weight * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls("int8", values.contiguous(), scales.contiguous())
+
+
+def cat_rows(
+    weights: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype
+) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked along their rows (q/k/v into qkv): quantized ones of one format stay quantized; any
+    other mix (a GGUF file may store v in another type than q and k) is dequantized to `dtype`."""
+    formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
+    if len(formats) == 1 and None not in formats:
+        first = weights[0]
+        arrays = [f.name for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)]
+        return replace(first, **{name: torch.cat([getattr(w, name) for w in weights]) for name in arrays})
+    return torch.cat(
+        [w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]
+    )

@@ -1,4 +1,9 @@
-"""Load a llama.cpp GGUF file: dequantized weights under Hugging Face names, config and tokenizer from metadata."""
+"""Load a llama.cpp GGUF file: weights under Hugging Face names, config and tokenizer from metadata.
+
+Weights are dequantized to the model dtype, except with quantization="gguf": then the Linear layers' weights
+of the block types Ember's kernels run (Q8_0, Q4_0, Q4_1) stay in their blocks (QuantizedWeight), and a tied
+output layer gets its own quantized lm_head.weight from the embedding's blocks (the embedding itself, a
+lookup table, is dequantized)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from ember.errors import ModelLoadError
+from ember.kernels.quantized_weight import GGUF_BLOCK_FORMATS, QuantizedWeight
 from ember.loader.gguf_reader import metadata_value, open_gguf
 from ember.loader.gguf_tokenizer import build_gguf_tokenizer, special_token_ids
 from ember.loader.loaded_model import LoadedModel
@@ -142,26 +148,39 @@ def _llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, 
     return params
 
 
-def _read_tensors(reader: GGUFReader, path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _read_tensors(reader: GGUFReader, path: Path, config: ModelConfig,
+                  quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     # Only the llama architecture's converter permutes q/k rows (qwen2 uses NeoX-style rope natively).
     permuted = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} \
         if config.architecture == "LlamaForCausalLM" else {}
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name} for {config.architecture}")
-        weight = _to_torch(tensor, config.torch_dtype, path)
+        block_type = GGMLQuantizationType(tensor.tensor_type).name
+        kept_in_blocks = quantized and block_type in GGUF_BLOCK_FORMATS
+        if kept_in_blocks and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            weight = QuantizedWeight.from_gguf_blocks(block_type, tensor.data, int(tensor.shape[1]))
+        else:
+            weight = _to_torch(tensor, config.torch_dtype, path)
         projection = name.split(".")[-2]
         if projection in permuted:
-            weight = unpermute_rows(weight, permuted[projection])
+            heads = permuted[projection]
+            weight = weight.map_rows(lambda rows, heads=heads: unpermute_rows(rows, heads)) \
+                if isinstance(weight, QuantizedWeight) else unpermute_rows(weight, heads)
         state_dict[name] = weight
+        if kept_in_blocks and name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            state_dict["lm_head.weight"] = QuantizedWeight.from_gguf_blocks(block_type, tensor.data,
+                                                                            int(tensor.shape[1]))
     return check_state_dict(config, state_dict, str(path))
 
 
-def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+              quantization: str = "none") -> LoadedModel:
+    """quantization "gguf" keeps the Linear layers' Q8_0/Q4_0/Q4_1 blocks (see the module docstring)."""
     reader = open_gguf(path)
     splits = metadata_value(reader, "split.count", 1)
     if splits > 1:
@@ -178,7 +197,7 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
     if rope_freqs is not None:
         factors = _to_torch(rope_freqs, torch.float64, path).numpy()
         config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
-    state_dict = _read_tensors(reader, path, config)
+    state_dict = _read_tensors(reader, path, config, quantization == "gguf")
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))
 
 

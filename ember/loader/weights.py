@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ember.errors import ModelLoadError
+from ember.kernels.quantized_weight import QuantizedWeight
 from ember.models.config import ModelConfig
 
 # Old checkpoints store RoPE's inverse frequencies; the decoder computes its own.
@@ -41,13 +42,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor | QuantizedWeight],
+                     source: str) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Drop tensors the decoder ignores; raise ModelLoadError naming any missing, unexpected or misshapen one."""
     expected = expected_shapes(config)
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
-        # Some tied checkpoints also store a copy of the embedding as lm_head; transformers ignores it.
-        state_dict.pop("lm_head.weight", None)
+        if isinstance(state_dict.get("lm_head.weight"), QuantizedWeight):
+            # A quantized GGUF's tied output layer, from the embedding's blocks (ember/loader/gguf.py).
+            expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+        else:
+            # Some tied checkpoints also store a copy of the embedding as lm_head; transformers ignores it.
+            state_dict.pop("lm_head.weight", None)
     missing = [name for name in expected if name not in state_dict]
     if missing:
         raise ModelLoadError(f"{source}: missing tensor{'s' if len(missing) > 1 else ''} "
