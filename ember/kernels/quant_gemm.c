@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define BLOCK 32
 #define ROW_TILE 4
@@ -25,15 +27,31 @@ enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3 };
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// Activation rows [rows, k] (row stride x_stride) -> int8 xq [rows, k], per block scales xd and sums xs
-// [rows, k / BLOCK]. Scalar on purpose: a step's activations are a few KiB, and nearbyintf rounds half to
-// even as the tests' reference does.
-void quantize_activations(const float *x, int64_t x_stride, int64_t rows, int64_t k, int8_t *xq, float *xd,
-                          float *xs) {
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch's conversion
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// Activation rows [rows, k] (row stride x_stride; float32, or bfloat16 when x_bf16) -> int8 xq [rows, k], per
+// block scales xd and sums xs [rows, k / BLOCK]. Scalar on purpose: a step's activations are a few KiB, and
+// nearbyintf rounds half to even as the tests' reference does.
+void quantize_activations(const void *x, int x_bf16, int64_t x_stride, int64_t rows, int64_t k, int8_t *xq,
+                          float *xd, float *xs) {
     const int64_t blocks = k / BLOCK;
+    float src[BLOCK];
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < blocks; b++) {
-            const float *src = x + r * x_stride + b * BLOCK;
+            const int64_t first = r * x_stride + b * BLOCK;
+            for (int i = 0; i < BLOCK; i++)
+                src[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[first + i]) : ((const float *)x)[first + i];
             float amax = 0.0f;
             for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f;
@@ -71,10 +89,10 @@ static inline float horizontal_sum(__m256 v) {
 }
 
 // One weight row (its blocks: signed bytes qs8 or nibbles qs4, fp16 scales and mins, or a row scale for
-// int8) against `tile` activation rows; writes y[r * n_out] for each.
+// int8) against `tile` activation rows; writes each row's dot product into result[r].
 static inline __attribute__((always_inline)) void row_dot(
         int format, int tile, const int8_t *qs8, const uint8_t *qs4, const uint16_t *scales, const uint16_t *mins,
-        float row_scale, const int8_t *xq, const float *xd, const float *xs, int64_t k, float *y, int64_t n_out) {
+        float row_scale, const int8_t *xq, const float *xd, const float *xs, int64_t k, float *result) {
     const int64_t blocks = k / BLOCK;
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
@@ -104,43 +122,60 @@ static inline __attribute__((always_inline)) void row_dot(
             if (format == Q4_1) offset[r] += mw * xs[r * blocks + b];
         }
     }
-    for (int r = 0; r < tile; r++) y[r * n_out] = row_scale * horizontal_sum(acc[r]) + offset[r];
+    for (int r = 0; r < tile; r++) result[r] = row_scale * horizontal_sum(acc[r]) + offset[r];
 }
 
+// Output n of `tile` rows, plus the bias, stored as float32 or bfloat16 (out_bf16) at out[r * n_out + n].
 static inline __attribute__((always_inline)) void tile_dot(
         int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n, int64_t k,
-        const int8_t *xq, const float *xd, const float *xs, float *y, int64_t n_out) {
+        const int8_t *xq, const float *xd, const float *xs, const void *bias, int out_bf16, void *out,
+        int64_t n_out) {
     const int64_t blocks = k / BLOCK;
     const int8_t *qs8 = (const int8_t *)qs + n * k;
     const uint8_t *qs4 = (const uint8_t *)qs + n * (k / 2);
     const uint16_t *row_scales = format == INT8 ? 0 : (const uint16_t *)scales + n * blocks;
     const uint16_t *row_mins = format == Q4_1 ? (const uint16_t *)mins + n * blocks : 0;
     const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
-    row_dot(format, tile, qs8, qs4, row_scales, row_mins, row_scale, xq, xd, xs, k, y + n, n_out);
+    float result[ROW_TILE];
+    row_dot(format, tile, qs8, qs4, row_scales, row_mins, row_scale, xq, xd, xs, k, result);
+    const float b = bias == 0 ? 0.0f : out_bf16 ? bf16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+    for (int r = 0; r < tile; r++) {
+        if (out_bf16)
+            ((uint16_t *)out)[r * n_out + n] = float_to_bf16(result[r] + b);
+        else
+            ((float *)out)[r * n_out + n] = result[r] + b;
+    }
 }
 
 // Specialized per format and tile height so that the compiler keeps the accumulators in registers.
 #define TILE_CASES(FORMAT)                                                                                   \
     switch (tile) {                                                                                          \
-    case 1: tile_dot(FORMAT, 1, qs, scales, mins, n, k, xq_t, xd_t, xs_t, y_t, n_out); break;               \
-    case 2: tile_dot(FORMAT, 2, qs, scales, mins, n, k, xq_t, xd_t, xs_t, y_t, n_out); break;               \
-    case 3: tile_dot(FORMAT, 3, qs, scales, mins, n, k, xq_t, xd_t, xs_t, y_t, n_out); break;               \
-    default: tile_dot(FORMAT, 4, qs, scales, mins, n, k, xq_t, xd_t, xs_t, y_t, n_out); break;              \
+    case 1: tile_dot(FORMAT, 1, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
+    case 2: tile_dot(FORMAT, 2, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
+    case 3: tile_dot(FORMAT, 3, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
+    default: tile_dot(FORMAT, 4, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
     }
 
-// y [rows, n_out] (float32) = quantized activations (quantize_activations) @ W^T for W [n_out, k] in
-// `format`: qs (int8 [n_out, k] or nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32
-// [n_out] for int8), mins (fp16 [n_out, k / 32], Q4_1 only).
-void quant_gemm(int format, const int8_t *xq, const float *xd, const float *xs, int64_t rows, const void *qs,
-                const void *scales, const void *mins, float *y, int64_t n_out, int64_t k, int num_threads) {
+// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k] or
+// nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32 [n_out] for int8), mins (fp16
+// [n_out, k / 32], Q4_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
+// x_bf16. The activations are quantized first (quantize_activations), once, before the parallel region.
+void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
+                const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
+                int num_threads) {
     const int64_t blocks = k / BLOCK;
+    int8_t *xq = malloc((size_t)(rows * k));
+    float *xd = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
+    float *xs = xd + rows * blocks;
+    quantize_activations(x, x_bf16, x_stride, rows, k, xq, xd, xs);
+    const size_t out_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             const int8_t *xq_t = xq + r0 * k;
             const float *xd_t = xd + r0 * blocks, *xs_t = xs + r0 * blocks;
-            float *y_t = y + r0 * n_out;
+            void *out_t = (char *)out + (size_t)(r0 * n_out) * out_size;
             switch (format) {
             case Q8_0: TILE_CASES(Q8_0) break;
             case Q4_0: TILE_CASES(Q4_0) break;
@@ -149,6 +184,8 @@ void quant_gemm(int format, const int8_t *xq, const float *xd, const float *xs, 
             }
         }
     }
+    free(xq);
+    free(xd);
 }
 
 // The weight as float32 [n_out, k], for batches too large for quant_gemm (prompt chunks).

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ember.errors import EmberError
 from ember.kernels.build import KernelBuildError, load_kernel
 from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
-from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
+from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}  # quant_gemm.c's enum weight_format
@@ -37,17 +37,15 @@ class QuantGemm:
         self.level = level
         library = load_kernel("quant_gemm.c", (), level)
         self.dot_product = "vnni" if library.quant_gemm_uses_vnni() else "avx2_maddubs"
-        self._quantize = _bind(
-            library, "quantize_activations", _pointer, _int64, _int64, _int64, _pointer, _pointer, _pointer
-        )
         self._gemm = _bind(
             library,
             "quant_gemm",
             _int,
             _pointer,
-            _pointer,
-            _pointer,
+            _int,
             _int64,
+            _int64,
+            _pointer,
             _pointer,
             _pointer,
             _pointer,
@@ -64,32 +62,39 @@ class QuantGemm:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
         if x.shape[0] > GEMV_MAX_ROWS:
             return F.linear(x, self.dequantize(weight).to(x.dtype), bias)
-        out = self.gemm(x.float(), weight).to(x.dtype)
-        return out if bias is None else out.add_(bias)
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
+            return self.gemm(x.float().contiguous(), weight, None if bias is None else bias.float()).to(
+                x.dtype
+            )
+        return self.gemm(x, weight, None if bias is None else bias.to(x.dtype))
 
-    def gemm(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-        """float32 x [rows, K] (unit stride over K) @ W^T -> float32 [rows, N], the activations quantized to
-        int8 per block of 32 first (quant_gemm.c)."""
+    def gemm(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, K] (float32 or bfloat16, unit stride over K) @ W^T + bias (x's dtype) -> [rows, N] in x's
+        dtype, the activations quantized to int8 per block of 32 first (quant_gemm.c)."""
         rows, k = x.shape
         n = weight.shape[0]
-        if x.dtype != torch.float32 or x.stride(1) != 1 or k != weight.shape[1]:
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1 or k != weight.shape[1]:
             raise ValueError(
-                f"quantized GEMM needs float32 x [rows, {weight.shape[1]}] with unit stride over K, "
+                f"quantized GEMM needs float32 or bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
-        xq = torch.empty(rows, k, dtype=torch.int8)
-        xd, xs = (torch.empty(rows, k // BLOCK) for _ in range(2))
-        self._quantize(x.data_ptr(), x.stride(0), rows, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
-        out = torch.empty(rows, n)
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            raise ValueError(
+                f"quantized GEMM needs a contiguous bias of x's dtype {x.dtype}, got {bias.dtype}"
+            )
+        out = torch.empty(rows, n, dtype=x.dtype)
         self._gemm(
             _FORMAT_CODES[weight.format],
-            xq.data_ptr(),
-            xd.data_ptr(),
-            xs.data_ptr(),
+            x.data_ptr(),
+            x.dtype == torch.bfloat16,
+            x.stride(0),
             rows,
             weight.values.data_ptr(),
             weight.scales.data_ptr(),
             _address(weight.mins),
+            _address(bias),
             out.data_ptr(),
             n,
             k,

@@ -86,6 +86,20 @@ def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, 
 
 
 @pytest.mark.parametrize("format", FORMATS)
+def test_bfloat16_rows_and_bias(kernels: QuantGemm, format: str) -> None:
+    """bfloat16 in and out: the same math on the bfloat16 values, the bias added and the sum rounded to
+    bfloat16 once (within half a bfloat16 step of the float64 result, beyond the float32 bound)."""
+    weight, _ = random_weight(format, seed=3)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(6)).bfloat16()
+    expected, bound = reference(x.float(), weight)
+    expected = expected + bias.double()
+    got = kernels.gemm(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (6, N)
+    assert bool(((got.double() - expected).abs() <= bound + expected.abs() * 2**-8).all())
+
+
+@pytest.mark.parametrize("format", FORMATS)
 def test_dequantize_matches_gguf(kernels: QuantGemm, format: str) -> None:
     weight, dense = random_weight(format, seed=7)
     assert torch.allclose(kernels.dequantize(weight), dense, rtol=1e-6, atol=0)
