@@ -188,39 +188,47 @@ void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t
     free(xd);
 }
 
-// The weight as float32 [n_out, k], for batches too large for quant_gemm (prompt chunks).
-void dequantize_weight(int format, const void *qs, const void *scales, const void *mins, float *out,
+// One dequantized weight value stored as float32, or bfloat16 when out_bf16.
+static inline void store_value(void *out, int out_bf16, int64_t index, float value) {
+    if (out_bf16)
+        ((uint16_t *)out)[index] = float_to_bf16(value);
+    else
+        ((float *)out)[index] = value;
+}
+
+// The weight as float32 (or bfloat16 when out_bf16) [n_out, k], for batches too large for quant_gemm
+// (prompt chunks).
+void dequantize_weight(int format, const void *qs, const void *scales, const void *mins, void *out, int out_bf16,
                        int64_t n_out, int64_t k, int num_threads) {
     const int64_t blocks = k / BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
-        float *dst = out + n * k;
         if (format == INT8) {
             const float scale = ((const float *)scales)[n];
             const int8_t *q = (const int8_t *)qs + n * k;
-            for (int64_t i = 0; i < k; i++) dst[i] = scale * (float)q[i];
+            for (int64_t i = 0; i < k; i++) store_value(out, out_bf16, n * k + i, scale * (float)q[i]);
             continue;
         }
         for (int64_t b = 0; b < blocks; b++) {
             const float d = half_to_float(((const uint16_t *)scales)[n * blocks + b]);
-            float *block = dst + b * BLOCK;
+            const int64_t first = n * k + b * BLOCK;
             if (format == Q8_0) {
-                const int8_t *q = (const int8_t *)qs + n * k + b * BLOCK;
-                for (int i = 0; i < BLOCK; i++) block[i] = d * (float)q[i];
+                const int8_t *q = (const int8_t *)qs + first;
+                for (int i = 0; i < BLOCK; i++) store_value(out, out_bf16, first + i, d * (float)q[i]);
                 continue;
             }
             const uint8_t *q = (const uint8_t *)qs + n * (k / 2) + b * (BLOCK / 2);
             if (format == Q4_0) {
                 for (int i = 0; i < BLOCK / 2; i++) {
-                    block[i] = d * (float)((q[i] & 0x0F) - 8);
-                    block[i + BLOCK / 2] = d * (float)((q[i] >> 4) - 8);
+                    store_value(out, out_bf16, first + i, d * (float)((q[i] & 0x0F) - 8));
+                    store_value(out, out_bf16, first + i + BLOCK / 2, d * (float)((q[i] >> 4) - 8));
                 }
                 continue;
             }
             const float m = half_to_float(((const uint16_t *)mins)[n * blocks + b]);
             for (int i = 0; i < BLOCK / 2; i++) {
-                block[i] = d * (float)(q[i] & 0x0F) + m;
-                block[i + BLOCK / 2] = d * (float)(q[i] >> 4) + m;
+                store_value(out, out_bf16, first + i, d * (float)(q[i] & 0x0F) + m);
+                store_value(out, out_bf16, first + i + BLOCK / 2, d * (float)(q[i] >> 4) + m);
             }
         }
     }

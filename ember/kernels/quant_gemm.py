@@ -55,13 +55,23 @@ class QuantGemm:
             _int,
         )
         self._dequantize = _bind(
-            library, "dequantize_weight", _int, _pointer, _pointer, _pointer, _pointer, _int64, _int64, _int
+            library,
+            "dequantize_weight",
+            _int,
+            _pointer,
+            _pointer,
+            _pointer,
+            _pointer,
+            _int,
+            _int64,
+            _int64,
+            _int,
         )
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
         if x.shape[0] > GEMV_MAX_ROWS:
-            return F.linear(x, self.dequantize(weight).to(x.dtype), bias)
+            return F.linear(x, self.dequantize(weight, x.dtype), bias)
         if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
             return self.gemm(x.float().contiguous(), weight, None if bias is None else bias.float()).to(
                 x.dtype
@@ -102,20 +112,23 @@ class QuantGemm:
         )
         return out
 
-    def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
+    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as [N, K] of `dtype` (float32 or bfloat16; others through float32)."""
         n, k = weight.shape
-        out = torch.empty(n, k)
+        direct = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty(n, k, dtype=direct)
         self._dequantize(
             _FORMAT_CODES[weight.format],
             weight.values.data_ptr(),
             weight.scales.data_ptr(),
             _address(weight.mins),
             out.data_ptr(),
+            direct == torch.bfloat16,
             n,
             k,
             torch.get_num_threads(),
         )
-        return out
+        return out.to(dtype)
 
 
 def _address(tensor: torch.Tensor | None) -> int:

@@ -103,6 +103,7 @@ def test_bfloat16_rows_and_bias(kernels: QuantGemm, format: str) -> None:
 def test_dequantize_matches_gguf(kernels: QuantGemm, format: str) -> None:
     weight, dense = random_weight(format, seed=7)
     assert torch.allclose(kernels.dequantize(weight), dense, rtol=1e-6, atol=0)
+    assert torch.equal(kernels.dequantize(weight, torch.bfloat16), kernels.dequantize(weight).bfloat16())
     assert torch.allclose(weight.dequantize(), dense, rtol=1e-6, atol=0)
 
 
