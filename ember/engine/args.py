@@ -15,6 +15,9 @@ from ember.kernels import KERNEL_CHOICES
 from ember.kernels.cpu import cpu_isa_level, kernel_level
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# none: float weights (a GGUF file's blocks dequantized at load); gguf: a GGUF file's Q8_0/Q4_0/Q4_1 Linear
+# weights kept in their blocks; int8: every Linear weight quantized per output channel at load.
+QUANTIZATION_CHOICES = ("none", "gguf", "int8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
@@ -96,6 +99,8 @@ class EngineArgs:
     # EMBER_KERNELS sets the default (tests run every path the machine can).
     kernels: str = field(default_factory=lambda: os.environ.get("EMBER_KERNELS", "auto"))
     seed: int = 0
+    # Linear weights run quantized (ember/kernels/quant_gemm.c) on CPU: QUANTIZATION_CHOICES.
+    quantization: str = "none"
     # Speculative decoding; a dict or JSON object is turned into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Tensor parallelism: the model's layers split across this many ranks (ember/engine/parallel.py).
@@ -125,6 +130,7 @@ class EngineArgs:
             kernel_level(self.kernels, cpu_isa_level())
         except ValueError as exc:
             raise EmberError(str(exc)) from None
+        self._check_quantization()
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
@@ -140,6 +146,22 @@ class EngineArgs:
                 raise EmberError(f"{name} must be at least 1, got {value}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EmberError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise EmberError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization == "none":
+            return
+        if self.device.startswith("cuda"):
+            raise EmberError(f"quantization {self.quantization} runs on CPU kernels only; use --quantization none "
+                             f"on {self.device}")
+        if self.kernels == "torch":
+            raise EmberError(f"quantization {self.quantization} runs on ember's native kernels, which --kernels "
+                             f"torch turns off")
+        if self.tensor_parallel_size > 1:
+            raise EmberError(f"quantization {self.quantization} is not supported with tensor parallelism "
+                             f"(tensor_parallel_size {self.tensor_parallel_size})")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
@@ -180,6 +202,12 @@ class EngineArgs:
                                 "where it can run, amx/avx512_bf16/avx512/avx2 = the kernels of that ISA level "
                                 "even where the CPU offers more (an error above the CPU's); default: "
                                 "$EMBER_KERNELS or auto")
+        group.add_argument("--quantization", default=defaults.quantization, choices=QUANTIZATION_CHOICES,
+                           help="how the Linear layers' weights are held on CPU: none = float in --dtype (a GGUF "
+                                "file's blocks dequantized at load); gguf = a .gguf file's Q8_0/Q4_0/Q4_1 weights "
+                                "kept in their blocks and run by native kernels that dequantize in registers; "
+                                "int8 = every weight quantized to int8 per output channel at load, from any "
+                                "checkpoint (default: %(default)s)")
         group.add_argument("--seed", type=int, default=defaults.seed,
                            help="seed of the global sampling generator (default: %(default)s)")
         group.add_argument("--speculative-config", default=None, metavar="JSON",

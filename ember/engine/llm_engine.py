@@ -48,7 +48,8 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device))
+        loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device),
+                            quantization=args.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source

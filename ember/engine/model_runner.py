@@ -25,7 +25,13 @@ from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
 from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
-from ember.layers.linear import pack_gemm_weights, pack_linear_weights
+from ember.layers.linear import (
+    attach_quant_gemm,
+    pack_gemm_weights,
+    pack_linear_weights,
+    quantize_linears_int8,
+    quantized_gemm_path,
+)
 from ember.models import build_model
 from ember.models.config import ModelConfig, dtype_reason, onednn_supports_bfloat16
 
@@ -55,6 +61,10 @@ class ModelRunner:
         self.tp = tp
         self.model = build_model(config, self.device, tp)
         self.load_memory = measure_load(self.model, lambda: self.model.load_weights(state_dict))
+        if args.quantization == "int8":
+            logger.info("quantization int8: %d Linear weights quantized per output channel",
+                        quantize_linears_int8(self.model))
+        self.quant_gemm = attach_quant_gemm(self.model, args.kernels)
         layout = self.model.layout
         peak = self.load_memory.peak_growth_bytes
         logger.info("rank %d of %d loaded %.1f MiB of weights; resident memory peaked %s MiB above its level "
@@ -88,6 +98,8 @@ class ModelRunner:
         self.dtype_reason = dtype_reason(args.dtype, self.device)
         self.kernel_level = self.native.level if self.native is not None else "none"
         self.kernel_paths = kernel_paths(self.native)
+        if self.quant_gemm is not None:
+            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm)
         logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,

@@ -4,7 +4,10 @@
 layout on every call; a small model streams all of its weights each step, so those reorders cost about a
 third of every matmul. Packing once at load time removes them, with bit-identical results. float32 keeps
 the plain path: packed float32 is not faster there and rounds differently. Where the native GEMM takes every
-row count (AMX), it replaces oneDNN and the oneDNN copy is not made."""
+row count (AMX), it replaces oneDNN and the oneDNN copy is not made.
+
+With `--quantization`, the weight is a QuantizedWeight instead (GGUF blocks or int8) and `weight` is None:
+forward runs quant_gemm.c on it, dequantizing only in registers."""
 
 from __future__ import annotations
 
@@ -13,18 +16,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels.native import ANY_ROWS, NativeKernels
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
+from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
 
 
 class Linear(nn.Linear):
     """nn.Linear plus optional pre-packed copies of the weight that forward uses when present: the native
     GEMM's (ember/kernels/amx_gemm.c for every batch, or small_gemm.c for decode batches of a few rows), then
-    oneDNN's."""
+    oneDNN's; or a quantized weight and the kernels that use it."""
 
     packed_weight: torch.Tensor | None = None
     native: NativeKernels | None = None
     gemm_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+    quant_gemm: QuantGemm | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Hold `weight` in place of the float one (which is dropped; set quant_gemm before forward)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight of shape {tuple(weight.shape)} for a Linear of "
+                             f"{(self.out_features, self.in_features)}")
+        self.quantized = weight
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quant_gemm.linear(x, self.quantized, self.bias)
         if self.gemm_weight is not None and 0 < x.shape[0] <= self.native.gemm_max_rows:
             return self.native.gemm(x, self.gemm_weight, self.bias)
         if self.packed_weight is not None:
@@ -36,12 +53,45 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Pre-pack for oneDNN every Linear of `model` that the native GEMM does not take at every row count
     (bfloat16 weights on a CPU with native bfloat16; after loading and pack_gemm_weights)."""
     for module in model.modules():
-        if isinstance(module, Linear) and (module.gemm_weight is None or module.native.gemm_max_rows < ANY_ROWS):
+        if isinstance(module, Linear) and module.quantized is None and (
+                module.gemm_weight is None or module.native.gemm_max_rows < ANY_ROWS):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
 
 
 def pack_gemm_weights(model: nn.Module, native: NativeKernels) -> None:
     """Give every Linear whose shape the native GEMM takes its re-laid-out weight (after loading)."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quantized is None:
             module.gemm_weight = native.pack_gemm_weight(module.weight.detach())
+
+
+def quantize_linears_int8(model: nn.Module) -> int:
+    """`--quantization int8`: every float Linear of `model` whose input width is whole blocks of 32 (the
+    activations are quantized per block) takes a per-channel int8 copy of its weight; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is None and module.in_features % BLOCK == 0:
+            module.set_quantized(QuantizedWeight.int8_per_channel(module.weight))
+            count += 1
+    return count
+
+
+def attach_quant_gemm(model: nn.Module, kernels: str) -> QuantGemm | None:
+    """Give every quantized Linear of `model` the quantized GEMM for `--kernels kernels`; None when there is
+    none. Raises EmberError where the kernels cannot run (quantized weights have no other path)."""
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    if not quantized:
+        return None
+    quant_gemm = load_quant_gemm(kernels)
+    for module in quantized:
+        module.quant_gemm = quant_gemm
+    return quant_gemm
+
+
+def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm) -> str:
+    """The kernel-path report of the GEMMs with quantized weights: formats, ISA level and dot product."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
+    floats = sum(m.quantized is None for m in linears)
+    return (f"native_quant_{quant_gemm.level} ({'+'.join(formats)}, {quant_gemm.dot_product}; up to "
+            f"{GEMV_MAX_ROWS} rows, else dequantized + torch{f'; {floats} float Linear(s)' if floats else ''})")

@@ -15,12 +15,16 @@ __all__ = ["LoadedModel", "Tokenizer", "load_model", "load_tokenizer", "resolve_
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str = "none") -> LoadedModel:
     """Load an alias (smollm2-135m-instruct), a Hugging Face folder or a .gguf file.
 
-    `device` only decides what dtype "auto" means; tensors are returned on the CPU.
-    Raises ModelLoadError with a message naming the problem on any bad input."""
+    `device` only decides what dtype "auto" means; tensors are returned on the CPU. quantization "gguf"
+    keeps a GGUF file's Q8_0/Q4_0/Q4_1 Linear weights in their blocks (ember/loader/gguf.py); it needs a
+    .gguf file. Raises ModelLoadError with a message naming the problem on any bad input."""
     path = resolve_model(model)
+    if quantization == "gguf" and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"--quantization gguf keeps a GGUF file's quantized blocks, and {path} is not a .gguf "
+                             f"file; use --quantization int8 to quantize its weights at load")
     if path.is_dir():
         from ember.loader.hf import load_hf_folder
 
@@ -28,7 +32,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
     if path.suffix.lower() == ".gguf":
         from ember.loader.gguf import load_gguf
 
-        return load_gguf(path, dtype=dtype, device=device)
+        return load_gguf(path, dtype=dtype, device=device, quantization=quantization)
     raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
 
 

@@ -1,5 +1,10 @@
-"""Load a llama.cpp GGUF file: weights under Hugging Face names (dequantized when read, whole or by rows or
-columns), config and tokenizer from metadata."""
+"""Load a llama.cpp GGUF file: weights under Hugging Face names, config and tokenizer from metadata.
+
+Weights are read when the model asks for them, whole or by rows or columns (dequantized to the model dtype), so
+a tensor-parallel rank reads only its slice. With quantization="gguf" the Linear layers' weights of the block
+types Ember's kernels run (Q8_0, Q4_0, Q4_1) stay in their blocks (QuantizedWeight, taken whole), and a tied
+output layer gets its own quantized lm_head.weight from the embedding's blocks (the embedding itself, a
+lookup table, is dequantized)."""
 
 from __future__ import annotations
 
@@ -14,9 +19,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from ember.errors import ModelLoadError
+from ember.kernels.quantized_weight import GGUF_BLOCK_FORMATS, QuantizedWeight
 from ember.loader.gguf_reader import metadata_value, open_gguf
 from ember.loader.gguf_tokenizer import build_gguf_tokenizer, special_token_ids
-from ember.loader.lazy_weights import LazyStateDict
+from ember.loader.lazy_weights import LazyStateDict, QuantizedSource, TensorSource
 from ember.loader.loaded_model import LoadedModel
 from ember.loader.tokenizer import Tokenizer
 from ember.loader.weights import check_state_dict
@@ -174,22 +180,40 @@ def _llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, 
     return params
 
 
-def _tensor_sources(reader: GGUFReader, path: Path, config: ModelConfig) -> LazyStateDict:
+def _tensor_sources(reader: GGUFReader, path: Path, config: ModelConfig, quantized: bool) -> LazyStateDict:
     # Only the llama architecture's converter permutes q/k rows (qwen2 uses NeoX-style rope natively).
     permuted = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} \
         if config.architecture == "LlamaForCausalLM" else {}
-    sources: dict[str, GGUFTensor] = {}
+    sources: dict[str, TensorSource] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name} for {config.architecture}")
-        sources[name] = GGUFTensor(tensor, path, permuted.get(name.split(".")[-2]))
+        heads = permuted.get(name.split(".")[-2])
+        block_type = GGMLQuantizationType(tensor.tensor_type).name
+        kept_in_blocks = quantized and block_type in GGUF_BLOCK_FORMATS
+        if kept_in_blocks and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            sources[name] = QuantizedSource(_blocks(tensor, block_type, heads))
+        else:
+            sources[name] = GGUFTensor(tensor, path, heads)
+        if kept_in_blocks and name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            sources["lm_head.weight"] = QuantizedSource(_blocks(tensor, block_type, None))
     return LazyStateDict(check_state_dict(config, sources, str(path)), config.torch_dtype)
 
 
-def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+def _blocks(tensor: Any, block_type: str, permuted_heads: int | None) -> QuantizedWeight:
+    """A GGUF tensor's Q8_0/Q4_0/Q4_1 blocks as they are, with llama.cpp's q/k row interleave undone."""
+    weight = QuantizedWeight.from_gguf_blocks(block_type, tensor.data, int(tensor.shape[1]))
+    if permuted_heads is None:
+        return weight
+    return weight.map_rows(lambda rows: unpermute_rows(rows, permuted_heads))
+
+
+def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+              quantization: str = "none") -> LoadedModel:
+    """quantization "gguf" keeps the Linear layers' Q8_0/Q4_0/Q4_1 blocks (see the module docstring)."""
     reader = open_gguf(path)
     splits = metadata_value(reader, "split.count", 1)
     if splits > 1:
@@ -207,7 +231,7 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
         source = GGUFTensor(rope_freqs, path)
         factors = source.read(0, 0, source.shape[0]).double().numpy()
         config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
-    state_dict = _tensor_sources(reader, path, config)
+    state_dict = _tensor_sources(reader, path, config, quantization == "gguf")
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))
 
 

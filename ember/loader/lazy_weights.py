@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from ember.kernels.quantized_weight import QuantizedWeight
+
 
 class TensorSource(Protocol):
     """One checkpoint tensor, not yet read."""
@@ -33,11 +35,11 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         self.dtype = dtype
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> LazyStateDict:
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor | QuantizedWeight]) -> LazyStateDict:
         """Tensors already in memory (a test's state dict, a model built in-process)."""
         if isinstance(tensors, LazyStateDict):
             return tensors
-        return cls({name: InMemoryTensor(tensor) for name, tensor in tensors.items()}, None)
+        return cls({name: in_memory(tensor) for name, tensor in tensors.items()}, None)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name)
@@ -53,6 +55,11 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.sources[name].shape
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """`name`'s weight if it is kept in quantized blocks (--quantization), else None."""
+        source = self.sources[name]
+        return source.weight if isinstance(source, QuantizedSource) else None
 
     def read(self, name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         """`name`'s elements start..start+length along `dim` (all of them by default)."""
@@ -72,3 +79,19 @@ class InMemoryTensor:
             return self.tensor
         # A copy, so that the caller's slice does not keep the whole tensor alive.
         return self.tensor.narrow(dim, start, length).clone()
+
+
+class QuantizedSource:
+    """A Linear weight kept in its quantized blocks (GGUF Q8_0/Q4_0/Q4_1 with --quantization gguf): the model
+    takes it whole (LazyStateDict.quantized); a float read dequantizes it, as quant_gemm.c does."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+        self.shape = tuple(weight.shape)
+
+    def read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.weight.dequantize().narrow(dim, start, length).clone()
+
+
+def in_memory(tensor: torch.Tensor | QuantizedWeight) -> InMemoryTensor | QuantizedSource:
+    return QuantizedSource(tensor) if isinstance(tensor, QuantizedWeight) else InMemoryTensor(tensor)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 from ember.errors import ModelLoadError
+from ember.loader.lazy_weights import QuantizedSource
 from ember.models.config import ModelConfig
 
 # Old checkpoints store RoPE's inverse frequencies; the decoder computes its own.
@@ -56,8 +57,12 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, TensorLike], sou
     expected = expected_shapes(config)
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
-        # Some tied checkpoints also store a copy of the embedding as lm_head; transformers ignores it.
-        state_dict.pop("lm_head.weight", None)
+        if isinstance(state_dict.get("lm_head.weight"), QuantizedSource):
+            # A quantized GGUF's tied output layer, from the embedding's blocks (ember/loader/gguf.py).
+            expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+        else:
+            # Some tied checkpoints also store a copy of the embedding as lm_head; transformers ignores it.
+            state_dict.pop("lm_head.weight", None)
     missing = [name for name in expected if name not in state_dict]
     if missing:
         raise ModelLoadError(f"{source}: missing tensor{'s' if len(missing) > 1 else ''} "

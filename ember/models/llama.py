@@ -18,6 +18,7 @@ from torch import nn
 from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
 from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
+from ember.kernels.quantized_weight import QuantizedWeight, cat_rows
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.linear import Linear
@@ -239,6 +240,9 @@ class LlamaForCausalLM(nn.Module):
         def take(name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
             if name not in weights:
                 raise ModelLoadError(f"checkpoint lacks tensor {name}")
+            quantized = weights.quantized(name)
+            if quantized is not None:  # taken whole: the engine refuses quantization under TP
+                return quantized
             return weights.read(name, dim, start, length).to(device=device, dtype=dtype)
 
         def vocab_rows(name: str) -> torch.Tensor:
@@ -250,11 +254,15 @@ class LlamaForCausalLM(nn.Module):
             expected = getattr(module, attr).shape
             if tensor.shape != expected:
                 raise ModelLoadError(f"tensor for {attr} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-            setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
+            if isinstance(tensor, QuantizedWeight):
+                module.set_quantized(tensor)
+            else:
+                setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
         assign(self.embed_tokens, "weight", vocab_rows("model.embed_tokens.weight"))
         assign(self.norm, "weight", take("model.norm.weight"))
-        if config.tie_word_embeddings:
+        # A quantized file's tied output layer comes as its own (quantized) lm_head.weight.
+        if config.tie_word_embeddings and "lm_head.weight" not in weights:
             self.lm_head.weight = self.embed_tokens.weight
         else:
             assign(self.lm_head, "weight", vocab_rows("lm_head.weight"))
@@ -266,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [(prefix + f"self_attn.{p}_proj", rows) for p, rows in zip("qkv", (q_rows, kv_rows, kv_rows), strict=True)]
-            assign(attn.qkv_proj, "weight", torch.cat([take(p + ".weight", 0, *rows) for p, rows in qkv]))
+            assign(attn.qkv_proj, "weight", cat_rows([take(p + ".weight", 0, *rows) for p, rows in qkv], dtype))
             if attn.qkv_proj.bias is not None:
                 assign(attn.qkv_proj, "bias", torch.cat([take(p + ".bias", 0, *rows) for p, rows in qkv]))
             assign(attn.o_proj, "weight", take(prefix + "self_attn.o_proj.weight", 1, *q_rows))
@@ -274,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
                 bias = take(prefix + "self_attn.o_proj.bias")
                 assign(attn.o_proj, "bias", bias if layout.rank == 0 else torch.zeros_like(bias))
             gate_up = [take(prefix + f"mlp.{p}_proj.weight", 0, *mlp_rows) for p in ("gate", "up")]
-            assign(mlp.gate_up_proj, "weight", torch.cat(gate_up))
+            assign(mlp.gate_up_proj, "weight", cat_rows(gate_up, dtype))
             assign(mlp.down_proj, "weight", take(prefix + "mlp.down_proj.weight", 1, *mlp_rows))
             assign(layer.input_layernorm, "weight", take(prefix + "input_layernorm.weight"))
             assign(layer.post_attention_layernorm, "weight", take(prefix + "post_attention_layernorm.weight"))

@@ -77,3 +77,24 @@ def test_a_level_without_kernels_for_the_dtype_stops_the_start(launch_server, na
     with pytest.raises(RuntimeError, match="native kernels cannot run here: the bfloat16 kernels need AVX-512 "
                        "and the ISA level is avx2"):
         launch_server(native_model_dir, "--dtype", "bfloat16", "--kernels", "avx2")
+
+
+@pytest.mark.slow
+def test_quantized_gguf_weights_are_reported_and_served(launch_server, smollm2_gguf_path: Path) -> None:
+    if compiler() is None or not level_at_least(cpu_isa_level(), "avx2"):
+        pytest.skip("quantized weights need a C compiler and AVX2")
+    server = launch_server(smollm2_gguf_path, "--dtype", "float32", "--kernels", "avx2", "--quantization", "gguf")
+    try:
+        gemm = httpx.get(f"{server.url}/v1/models").json()["data"][0]["ember"]["kernels"]["gemm"]
+        assert gemm == "native_quant_avx2 (q4_1+q8_0, avx2_maddubs; up to 16 rows, else dequantized + torch)"
+        completion = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+        assert completion.status_code == 200 and "Paris" in completion.json()["choices"][0]["text"]
+        assert f"kernel path: gemm = {gemm}" in server.log()
+    finally:
+        server.stop()
+
+
+def test_gguf_quantization_of_a_folder_stops_the_start(launch_server, tiny_model_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="is not a .gguf file; use --quantization int8"):
+        launch_server(tiny_model_dir, "--quantization", "gguf")

@@ -1,0 +1,99 @@
+"""Perplexity of a model on a held-out text, scored by the engine itself through prompt_logprobs.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/engine/perplexity.py --quantization none|gguf|int8 \\
+        [--model smollm2-135m-instruct] [--dtype float32] [--step-tokens 16] [--text FILE]
+
+The text (default: texts/declaration_and_gettysburg.txt, the Declaration of Independence and the Gettysburg
+Address, public domain, ~2k SmolLM2 tokens) is one prompt; every token after the first is scored given the
+ones before it, and perplexity = exp(mean negative log-likelihood). The prompt is fed in steps of
+--step-tokens tokens (default 16, the most rows the quantized decode kernel takes), so that every matmul
+runs the kernel decode steps run, not the dequantized prompt path. Prints one JSON line. Used for
+docs/benchmarks.md, issue 14."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from ember import LLM, SamplingParams
+from ember.engine.args import DTYPE_CHOICES, QUANTIZATION_CHOICES
+from ember.kernels import KERNEL_CHOICES
+
+DEFAULT_TEXT = Path(__file__).parent / "texts" / "declaration_and_gettysburg.txt"
+
+
+def score_text(llm: LLM, text: str) -> list[float]:
+    """The log-likelihood of each token of `text` after the first, given the ones before it."""
+    token_ids = llm.get_tokenizer().encode(text)
+    output = llm.generate([token_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return [
+        entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model alias, folder or .gguf file")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="how the Linear weights are held, as ember serve --quantization",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="activation dtype (default: %(default)s, the reference precision)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=KERNEL_CHOICES,
+        help="kernel ISA level, as ember serve --kernels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--step-tokens", type=int, default=16, help="prompt tokens per engine step (default: %(default)s)"
+    )
+    parser.add_argument("--num-threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument(
+        "--text", type=Path, default=DEFAULT_TEXT, help="the held-out text (default: %(default)s)"
+    )
+    args = parser.parse_args()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kernels=args.kernels,
+        num_threads=args.num_threads,
+        max_num_batched_tokens=args.step_tokens,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
+    start = time.perf_counter()
+    logprobs = score_text(llm, args.text.read_text())
+    mean_nll = -sum(logprobs) / len(logprobs)
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "quantization": args.quantization,
+                "dtype": args.dtype,
+                "text": args.text.name,
+                "scored_tokens": len(logprobs),
+                "mean_nll": round(mean_nll, 5),
+                "perplexity": round(math.exp(mean_nll), 4),
+                "gemm": llm.engine.runner.kernel_paths["gemm"],
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

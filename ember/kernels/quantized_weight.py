@@ -1,0 +1,115 @@
+"""A Linear weight kept quantized, laid out as quant_gemm.c reads it.
+
+Formats (QUANT_FORMATS):
+- "q8_0", "q4_0", "q4_1": GGUF's block types, as the file stores them: per block of 32 weights along a row,
+  an fp16 scale d (and for Q4_1 an fp16 min m); Q8_0 holds int8 values (w = d q), Q4_0 and Q4_1 4-bit
+  values two per byte in llama.cpp's order (byte i of a block: weight i in the low nibble, weight 16 + i in
+  the high one; w = d (q - 8), w = d q + m). The blocks' values and their scales are split into separate
+  arrays so that the kernel loads aligned runs of each.
+- "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
+  weight (`--quantization int8`).
+
+Rows are independent (blocks run along a row), so the loader's row operations (q/k un-permutation, q/k/v and
+gate/up concatenation) apply to every array of a weight alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+BLOCK = 32
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
+# GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
+GGUF_BLOCK_FORMATS = {
+    "Q8_0": ("q8_0", 2 + BLOCK),
+    "Q4_0": ("q4_0", 2 + BLOCK // 2),
+    "Q4_1": ("q4_1", 4 + BLOCK // 2),
+}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    format: str
+    values: torch.Tensor  # int8 [N, K] (q8_0, int8) or uint8 nibbles [N, K / 2] (q4_0, q4_1)
+    scales: torch.Tensor  # float16 [N, K / 32], or float32 [N] for int8
+    mins: torch.Tensor | None = None  # float16 [N, K / 32], q4_1 only
+
+    @property
+    def shape(self) -> torch.Size:
+        n, width = self.values.shape
+        return torch.Size((n, width * 2 if self.format in ("q4_0", "q4_1") else width))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._arrays())
+
+    def _arrays(self) -> list[torch.Tensor]:
+        return [t for t in (self.values, self.scales, self.mins) if t is not None]
+
+    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The weight with `function` (a reordering or selection of rows) applied to each array."""
+        return replace(
+            self,
+            **{
+                f.name: function(getattr(self, f.name)).contiguous()
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as quant_gemm.c's dequantize_weight computes it (cat_rows' fallback)."""
+        n, k = self.shape
+        if self.format == "int8":
+            return self.scales[:, None] * self.values.float()
+        scales = self.scales.float()[:, :, None]
+        if self.format == "q8_0":
+            return (scales * self.values.view(n, -1, BLOCK).float()).view(n, k)
+        packed = self.values.view(n, -1, BLOCK // 2)
+        nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
+        if self.format == "q4_0":
+            return (scales * (nibbles - 8)).view(n, k)
+        return (scales * nibbles + self.mins.float()[:, :, None]).view(n, k)
+
+    @classmethod
+    def from_gguf_blocks(cls, block_type: str, data: np.ndarray, rows: int) -> QuantizedWeight:
+        """From a GGUF tensor's raw bytes (uint8, `rows` rows) of block type Q8_0, Q4_0 or Q4_1."""
+        format, block_bytes = GGUF_BLOCK_FORMATS[block_type]
+        blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+        scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0])
+        mins = None
+        if format == "q4_1":
+            mins = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0])
+        values = np.ascontiguousarray(
+            blocks[:, :, block_bytes - (BLOCK if format == "q8_0" else BLOCK // 2) :]
+        )
+        values = torch.from_numpy(values.reshape(rows, -1))
+        return cls(format, values.view(torch.int8) if format == "q8_0" else values, scales, mins)
+
+    @classmethod
+    def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """Weight-only int8 of a float weight [N, K]: per output row, scale = max |w| / 127 and
+        round(w / scale)."""
+        weight = weight.detach().float()
+        scales = weight.abs().amax(dim=1) / 127.0
+        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        values = torch.round(weight * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls("int8", values.contiguous(), scales.contiguous())
+
+
+def cat_rows(
+    weights: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype
+) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked along their rows (q/k/v into qkv): quantized ones of one format stay quantized; any
+    other mix (a GGUF file may store v in another type than q and k) is dequantized to `dtype`."""
+    formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
+    if len(formats) == 1 and None not in formats:
+        first = weights[0]
+        arrays = [f.name for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)]
+        return replace(first, **{name: torch.cat([getattr(w, name) for w in weights]) for name in arrays})
+    return torch.cat(
+        [w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]
+    )

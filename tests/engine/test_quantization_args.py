@@ -1,0 +1,57 @@
+"""--quantization: a flag on every engine command with help text, and clear errors for the combinations it
+does not run in (before any weight is read)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.cli import build_parser
+from ember.engine.args import QUANTIZATION_CHOICES, EngineArgs
+from ember.errors import EmberError
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["bench", "offline"]])
+def test_every_engine_command_takes_the_flag(command: list[str]) -> None:
+    for value in QUANTIZATION_CHOICES:
+        assert (
+            EngineArgs.from_cli_args(
+                build_parser().parse_args([*command, "--quantization", value])
+            ).quantization
+            == value
+        )
+
+
+def test_unknown_values_are_refused_by_the_parser_with_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--quantization", "q4"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'q4' (choose from 'none', 'gguf', 'int8')" in capsys.readouterr().err
+
+
+def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--quantization {none,gguf,int8}" in help_text and "dequantize in registers" in help_text
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"quantization": "q4"}, "quantization must be one of none, gguf, int8, got 'q4'"),
+        (
+            {"quantization": "int8", "kernels": "torch"},
+            "runs on ember's native kernels, which --kernels torch turns off",
+        ),
+        (
+            {"quantization": "gguf", "device": "cuda"},
+            "runs on CPU kernels only; use --quantization none on cuda",
+        ),
+        ({"quantization": "gguf", "tensor_parallel_size": 2}, "not supported with tensor parallelism"),
+    ],
+)
+def test_unsupported_combinations_fail_clearly(options: dict, message: str) -> None:
+    with pytest.raises(EmberError, match=message):
+        EngineArgs(**options)

@@ -1,0 +1,135 @@
+"""quant_gemm.c (quantized weights used as stored) against a reference computed the same way in float64, for
+every weight format and each ISA level this CPU can run: AVX2's vpmaddubsw dot products at "avx2" and
+"avx512" (x86-64-v4 has no VNNI), VNNI's vpdpbusd where the CPU's own level has it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from ember.kernels.build import compiler
+from ember.kernels.cpu import ISA_LEVELS, cpu_flags, cpu_isa_level, level_at_least
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm
+from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
+
+LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
+FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
+N, K = 96, 576  # 18 blocks per row
+
+
+@pytest.fixture(scope="module", params=LEVELS or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
+def kernels(request: pytest.FixtureRequest) -> QuantGemm:
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    return QuantGemm(request.param)
+
+
+def random_weight(format: str, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A weight of `format` made from random floats, and its float32 values as gguf's own dequantizer
+    (or, for int8, the definition) gives them."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    if format == "int8":
+        weight = QuantizedWeight.int8_per_channel(dense)
+        return weight, weight.scales[:, None] * weight.values.float()
+    block_type = GGMLQuantizationType[format.upper()]
+    blocks = quantize(dense.numpy(), block_type)
+    return (
+        QuantizedWeight.from_gguf_blocks(format.upper(), blocks, N),
+        torch.from_numpy(dequantize(blocks, block_type).reshape(N, K).astype(np.float32)),
+    )
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T, bound): the activations quantized as quant_gemm.c does (float32: d = max|x| / 127, round half
+    to even of x * (1 / d)), each block's integer dot product exact, its scales applied and the blocks summed
+    in float64; bound = 1e-5 x the sum of the blocks' absolute contributions (float32 accumulation)."""
+    rows = x.shape[0]
+    blocks = x.view(rows, -1, BLOCK)
+    d = blocks.abs().amax(dim=2) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    xq = torch.round(blocks * inverse[:, :, None])
+    xs = (d * xq.sum(dim=2)).double()
+    d = d.double()
+    n = weight.shape[0]
+    if weight.format in ("q8_0", "int8"):
+        q = weight.values.view(n, -1, BLOCK).double()
+    else:
+        packed = weight.values.view(n, -1, BLOCK // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).double()
+    dots = torch.einsum("rbi,nbi->rnb", xq.double(), q)  # exact: small integers
+    if weight.format == "int8":
+        terms = dots * d[:, None, :] * weight.scales.double()[None, :, None]
+    else:
+        dw = weight.scales.double()[None]
+        terms = dw * d[:, None, :] * dots
+        if weight.format == "q4_0":
+            terms = terms - 8 * dw * xs[:, None, :]
+        if weight.format == "q4_1":
+            terms = terms + weight.mins.double()[None] * xs[:, None, :]
+    return terms.sum(dim=2), 1e-5 * terms.abs().sum(dim=2)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_MAX_ROWS])
+def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, rows: int) -> None:
+    weight, _ = random_weight(format, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + rows)) * 3
+    x[0, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
+    expected, bound = reference(x, weight)
+    got = kernels.gemm(x, weight).double()
+    assert got.shape == (rows, N)
+    assert bool(((got - expected).abs() <= bound).all()), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_bfloat16_rows_and_bias(kernels: QuantGemm, format: str) -> None:
+    """bfloat16 in and out: the same math on the bfloat16 values, the bias added and the sum rounded to
+    bfloat16 once (within half a bfloat16 step of the float64 result, beyond the float32 bound)."""
+    weight, _ = random_weight(format, seed=3)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(6)).bfloat16()
+    expected, bound = reference(x.float(), weight)
+    expected = expected + bias.double()
+    got = kernels.gemm(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (6, N)
+    assert bool(((got.double() - expected).abs() <= bound + expected.abs() * 2**-8).all())
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_dequantize_matches_gguf(kernels: QuantGemm, format: str) -> None:
+    weight, dense = random_weight(format, seed=7)
+    assert torch.allclose(kernels.dequantize(weight), dense, rtol=1e-6, atol=0)
+    assert torch.equal(kernels.dequantize(weight, torch.bfloat16), kernels.dequantize(weight).bfloat16())
+    assert torch.allclose(weight.dequantize(), dense, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_linear_switches_to_the_dequantized_gemm_past_the_decode_rows(
+    kernels: QuantGemm, format: str
+) -> None:
+    weight, dense = random_weight(format, seed=11)
+    bias = torch.randn(N)
+    x = torch.randn(GEMV_MAX_ROWS + 1, K)
+    assert torch.allclose(kernels.linear(x, weight, bias), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
+    # Decode rows: the quantized activations cost about 1% of the output's scale.
+    decode = kernels.linear(x[:2], weight, bias)
+    assert decode.dtype == torch.float32
+    error = (decode - (x[:2] @ dense.T + bias)).abs().max()
+    assert error <= 0.02 * (x[:2] @ dense.T).abs().max(), error
+    assert kernels.linear(x[:2].bfloat16(), weight, None).dtype == torch.bfloat16
+
+
+def test_the_cpus_own_level_uses_vnni_where_it_has_it(kernels: QuantGemm) -> None:
+    vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags() and kernels.level == cpu_isa_level()
+    assert kernels.dot_product == ("vnni" if vnni else "avx2_maddubs")
+
+
+def test_int8_per_channel_round_trips_within_half_a_step() -> None:
+    dense = torch.randn(N, K)
+    weight = QuantizedWeight.int8_per_channel(dense)
+    assert weight.values.dtype == torch.int8 and weight.values.abs().max() == 127
+    assert bool(((weight.dequantize() - dense).abs() <= weight.scales[:, None] / 2 + 1e-7).all())

@@ -1,0 +1,75 @@
+"""quantization="gguf": a GGUF file's Q8_0/Q4_0/Q4_1 Linear weights come out in their blocks (rows in Hugging
+Face order, a tied output layer from the embedding's blocks), everything else dequantized as without it; and
+a tiny model with a mix of block and float types in one fused projection runs through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from ember import LLM, SamplingParams
+from ember.errors import ModelLoadError
+from ember.kernels.build import compiler
+from ember.kernels.cpu import cpu_isa_level, level_at_least
+from ember.loader import load_model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_block_types_stay_quantized_and_dequantize_to_the_files_values(gguf_writer, tied: bool) -> None:
+    tiny = gguf_writer(
+        tied=tied,
+        qtype_overrides={
+            "token_embd.weight": GGMLQuantizationType.Q8_0,
+            "output.weight": GGMLQuantizationType.Q4_1,
+        },
+    )
+    loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
+    expected = dict(tiny.expected)
+    if tied:  # the output layer is the embedding's blocks
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    assert sorted(loaded.state_dict) == sorted(expected)
+    formats = {}
+    for name in loaded.state_dict:
+        quantized = loaded.state_dict.quantized(name)
+        if quantized is not None:
+            formats[name] = quantized.format
+            assert tuple(quantized.shape) == tuple(expected[name].shape), name
+            assert torch.equal(quantized.dequantize(), expected[name]), name
+        else:
+            assert torch.equal(loaded.state_dict[name], expected[name]), name
+    assert formats["lm_head.weight"] == ("q8_0" if tied else "q4_1")
+    assert loaded.state_dict.quantized("model.embed_tokens.weight") is None
+    # Q8_0, Q4_0 and Q4_1 cycle over the file's 2-D tensors (with F16, BF16 and F32): each is here, q and k
+    # rows un-permuted inside the blocks.
+    assert set(formats.values()) == {"q8_0", "q4_0", "q4_1"}
+    assert any(".q_proj." in name or ".k_proj." in name for name in formats)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir) -> None:
+    with pytest.raises(ModelLoadError, match="not a .gguf file; use --quantization int8"):
+        load_model(tiny_model_dir, quantization="gguf")
+
+
+@pytest.mark.skipif(
+    compiler() is None or not level_at_least(cpu_isa_level(), "avx2"),
+    reason="quantized weights need a C compiler and AVX2",
+)
+def test_mixed_types_in_one_projection_run_in_the_engine(gguf_writer) -> None:
+    tiny = gguf_writer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        llm = LLM(str(tiny.path), dtype="float32", quantization=quantization, num_threads=1)
+        # A prompt of more rows than the decode kernel takes: scored with the dequantized weights.
+        outputs[quantization] = llm.generate(["hello world! " * 12], params)[0]
+    gemm = llm.engine.runner.kernel_paths["gemm"]
+    # Some fused projections mix block and float types: those are dequantized, the rest run quantized.
+    assert gemm.startswith("native_quant_") and "float Linear(s)" in gemm, gemm
+    assert len(outputs["gguf"].outputs[0].token_ids) == 8
+    reference, quantized = (output.prompt_logprobs[1:] for output in outputs.values())
+    assert len(reference) > 16
+    for expected, got in zip(reference, quantized, strict=True):
+        assert got.keys() == expected.keys()
+        for token, logprob in expected.items():
+            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
