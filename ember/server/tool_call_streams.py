@@ -135,12 +135,14 @@ class HermesToolCallStream(_CallPieces):
     (the content of a message with calls is the text before them, stripped at its end). A block's call
     starts as soon as its name is read and is one of the tools; its arguments are the model's text as written
     (OpenAI's are too: the caller validates them). A block in another shape (keys in another order) is read
-    whole when it closes. Text between and after blocks, and blocks naming no tool, are dropped; if no block
-    is a call, the whole text is content."""
+    whole when it closes. Text between and after blocks, blocks naming no tool and the calls past
+    `max_calls` (1 without parallel_tool_calls) are dropped; if no block is a call, the whole text is
+    content."""
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, names: Iterable[str], max_calls: int | None = None) -> None:
         super().__init__()
         self._names = frozenset(names)
+        self._max_calls = max_calls
         self._text = ""
         self._pos = 0  # how far the text is consumed
         self._unsent = 0  # where the text not sent as content starts
@@ -206,6 +208,8 @@ class HermesToolCallStream(_CallPieces):
                 self._state = "after_block"
             else:  # after_block, between_blocks: skip to the next block
                 after_block = self._state == "after_block"
+                if not after_block and self.num_calls == self._max_calls:
+                    return content, pieces
                 mark = _CLOSE if after_block else _OPEN
                 found = text.find(mark, self._pos)
                 if found < 0:

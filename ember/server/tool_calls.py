@@ -60,6 +60,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # the request's tools as the template renders them ([] for "none")
     named: str | None  # the function tool_choice names
     spec: StructuredOutputSpec | None  # the grammar decoding follows ("required", "named")
+    parallel: bool = True  # parallel_tool_calls: False allows one call at most
 
     @property
     def parses_calls(self) -> bool:
@@ -81,7 +82,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
         raise InvalidRequestError("tools must have distinct function names", param="tools")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan("auto", tools, None, None)
+        return ToolPlan("auto", tools, None, None, request.parallel_tool_calls)
     if tool_choice == "none":
         return ToolPlan("none", [], None, None)
     if tool_choice == "required":
@@ -175,7 +176,9 @@ def _arguments_object(arguments: str) -> Any:
 def tool_call_stream(plan: ToolPlan) -> ConstrainedToolCallStream | HermesToolCallStream:
     """The reader of a choice's calls: the Hermes blocks under "auto", the grammar's shape otherwise."""
     if plan.choice == "auto":
-        return HermesToolCallStream(tool["function"]["name"] for tool in plan.tools)
+        return HermesToolCallStream(
+            (tool["function"]["name"] for tool in plan.tools), max_calls=None if plan.parallel else 1
+        )
     return ConstrainedToolCallStream(plan.named)
 
 

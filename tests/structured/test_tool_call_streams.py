@@ -52,6 +52,12 @@ def test_hermes_calls_are_the_same_however_the_text_is_split():
             )
 
 
+def test_hermes_without_parallel_tool_calls_keeps_the_first_call():
+    for chunks in splits(TWO_CALLS, 4):
+        content, calls, _ = read(HermesToolCallStream(NAMES, max_calls=1), chunks)
+        assert (content, [name for name, _ in calls]) == ("Let me check.", ["get_weather"])
+
+
 def test_hermes_content_goes_out_before_the_call_and_the_call_while_it_is_written():
     stream = HermesToolCallStream(NAMES)
     assert stream.feed("Let me") == ("Let me", [])
