@@ -425,6 +425,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered into the messages' prompt, as a chat request's are
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
