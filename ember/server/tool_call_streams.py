@@ -212,7 +212,8 @@ class HermesToolCallStream(_CallPieces):
                     return content, pieces
                 mark = _CLOSE if after_block else _OPEN
                 found = text.find(mark, self._pos)
-                if found < 0:
+                if found < 0:  # the next search starts where the mark may begin
+                    self._pos = max(self._pos, len(text) - len(mark) + 1)
                     return content, pieces
                 self._pos = found + len(mark)
                 self._state = "between_blocks" if after_block else "block"
