@@ -18,6 +18,7 @@ from ember.server.protocol import (
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
     DeltaMessage,
     DeltaToolCall,
@@ -198,7 +199,10 @@ class _ChatChunks:
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
         if self._tools is not None:
-            return self._tool_events(index, *self._call_stream(index).feed(choice.text)) or None
+            return (
+                self._tool_events(index, *self._call_stream(index).feed(choice.text), self._logprobs(choice))
+                or None
+            )
         if self._top_logprobs is None:
             if not choice.text:
                 return None
@@ -218,9 +222,8 @@ class _ChatChunks:
         if self._tools is None:
             return self._event(self._choice(index, choice, choice.finish_reason))
         stream = self._call_stream(index)
-        events = self._tool_events(index, *stream.feed(choice.text)) + self._tool_events(
-            index, *stream.finish()
-        )
+        events = self._tool_events(index, *stream.feed(choice.text), self._logprobs(choice))
+        events += self._tool_events(index, *stream.finish())
         return events + self._event(
             ChatCompletionChunkChoice(
                 index=index,
@@ -236,28 +239,37 @@ class _ChatChunks:
             stream = self._call_streams[index] = tool_call_stream(self._tools)
         return stream
 
-    def _tool_events(self, index: int, content: str, calls: list[DeltaToolCall]) -> bytes:
-        """A content chunk (if any content), then one chunk per tool-call piece."""
-        events = [self._tool_call_event(index, piece) for piece in calls]
-        if content:
-            events.insert(
-                0, self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=content)))
+    def _tool_events(
+        self, index: int, content: str, calls: list[DeltaToolCall], logprobs: ChatLogprobs | None = None
+    ) -> bytes:
+        """A content chunk (if any content), then one chunk per tool-call piece. The logprobs of the tokens
+        that produced them ride on the first of these chunks, or on a chunk of their own while the text is
+        held, so a stream's logprobs join to the whole response's."""
+        deltas = ([DeltaMessage(content=content)] if content else []) + [
+            DeltaMessage(tool_calls=[piece]) for piece in calls
+        ]
+        if logprobs is not None and logprobs.content and not deltas:
+            deltas = [DeltaMessage()]
+        return b"".join(
+            self._event(
+                ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs if not k else None)
             )
-        return b"".join(events)
+            for k, delta in enumerate(deltas)
+        )
 
-    def _tool_call_event(self, index: int, call: DeltaToolCall) -> bytes:
-        return self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(tool_calls=[call])))
+    def _logprobs(self, choice: CompletionOutput) -> ChatLogprobs | None:
+        """The logprobs of the choice's new tokens, if the request asks for them."""
+        if self._top_logprobs is None or choice.logprobs is None:
+            return None
+        return self._formatter.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
 
     def _choice(
         self, index: int, choice: CompletionOutput, finish_reason: str | None
     ) -> ChatCompletionChunkChoice:
-        logprobs = None
-        if self._top_logprobs is not None and choice.logprobs is not None:
-            logprobs = self._formatter.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
         return ChatCompletionChunkChoice(
             index=index,
             delta=DeltaMessage(content=choice.text),
-            logprobs=logprobs,
+            logprobs=self._logprobs(choice),
             finish_reason=finish_reason,
             stop_reason=choice.stop_reason if finish_reason else None,
         )

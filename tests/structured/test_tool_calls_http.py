@@ -215,7 +215,8 @@ AUTO_CALLS_REGEX = (
 def test_auto_streams_content_then_calls_as_the_sdk_accumulates_them(smollm2_server, steer):
     """tool_choice "auto": content streams as it is generated until a <tool_call> block starts, then each call
     streams (id and name first, then argument fragments); the openai SDK's stream helper accumulates exactly
-    the non-streamed message. Unsteered, the model answers in text, which streams as content."""
+    the non-streamed message, logprobs included. Unsteered, the model answers in text, which streams as
+    content."""
     request = dict(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "What is the weather in Paris, and what is 2 plus 3?"}],
@@ -223,6 +224,7 @@ def test_auto_streams_content_then_calls_as_the_sdk_accumulates_them(smollm2_ser
         tool_choice="auto",
         temperature=0,
         max_tokens=120,
+        logprobs=True,
         extra_body={"guided_regex": AUTO_CALLS_REGEX} if steer == "calls" else None,
     )
 
@@ -233,6 +235,15 @@ def test_auto_streams_content_then_calls_as_the_sdk_accumulates_them(smollm2_ser
 
     whole, streamed, kinds = asyncio.run(run())
     assert streamed.finish_reason == whole.finish_reason
+    # Every token's logprob, tool-call tokens included, in the stream as in the whole response (the values
+    # to rounding: the second request's prompt comes from the prefix cache, so its prefill runs in another shape).
+    assert [entry.token for entry in streamed.logprobs.content] == [
+        entry.token for entry in whole.logprobs.content
+    ]
+    assert [entry.logprob for entry in streamed.logprobs.content] == pytest.approx(
+        [entry.logprob for entry in whole.logprobs.content], abs=0.05
+    )
+    assert len(whole.logprobs.content) > 10
     assert streamed.message.content == whole.message.content and whole.message.content
     calls = [(call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
     assert [
