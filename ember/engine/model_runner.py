@@ -198,7 +198,6 @@ class ModelRunner:
             self.tp.broadcast_object(None)
 
 
-
 def _fill_grammar_masks(
     rows: list[tuple[int, GrammarMatcher]],
     drafted: list[tuple[int, GrammarMatcher, list[int]]],
@@ -212,6 +211,7 @@ def _fill_grammar_masks(
     for row, matcher, draft in drafted:
         matcher.fill_bitmask_through(bitmask, row, draft)
     return bitmask
+
 
 @dataclass
 class ModelRunnerOutput:
