@@ -121,7 +121,9 @@ class ModelRunner:
         spans = []
         sample_rows = []
         sampled_seqs = []
-        grammar_rows: list[tuple[int, GrammarMatcher]] = []  # (row among sample_rows, matcher)
+        grammar_rows: list[tuple[int, GrammarMatcher]] = []  # (row among sample_rows, matcher) without drafts
+        drafted_grammars: list[tuple[int, GrammarMatcher, list[int]]] = []  # (first row, matcher, drafts)
+        masked_rows: list[int] = []  # every sample row of a sequence with a grammar
         prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt_logprobs)
         prompt_targets: list[int] = []
         prompt_counts: list[tuple[int, int]] = []  # (scheduled index, rows) per chunk that scores its prompt
@@ -136,8 +138,12 @@ class ModelRunner:
             positions.append(np.arange(start, start + count))
             spans.append(SequenceSpan(start, count, seq.block_table))
             if item.sample:
-                if seq.grammar is not None:  # never with drafts
-                    grammar_rows.append((len(sample_rows), seq.grammar))
+                if seq.grammar is not None:
+                    if draft:
+                        drafted_grammars.append((len(sample_rows), seq.grammar, draft))
+                    else:
+                        grammar_rows.append((len(sample_rows), seq.grammar))
+                    masked_rows.extend(range(len(sample_rows), len(sample_rows) + 1 + len(draft)))
                 # A decode with drafts needs the logits after its token and after each draft token.
                 sample_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sampled_seqs.append(i)
@@ -148,8 +154,13 @@ class ModelRunner:
                 prompt_targets += seq.token_ids[start + 1 : start + 1 + scored]
                 prompt_counts.append((i, scored))
         # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs.
-        bitmask = (self.mask_thread.submit(fill_bitmasks, grammar_rows, len(sample_rows), self.config.vocab_size)
-                   if grammar_rows else None)
+        bitmask = (
+            self.mask_thread.submit(
+                _fill_grammar_masks, grammar_rows, drafted_grammars, len(sample_rows), self.config.vocab_size
+            )
+            if masked_rows
+            else None
+        )
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
                           len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order
@@ -163,7 +174,7 @@ class ModelRunner:
             metadata = SamplingMetadata.from_sequences(
                 [scheduled[i].seq for i in sampled_seqs], [scheduled[i].draft_token_ids for i in sampled_seqs],
                 self.config.eos_token_ids, self.device,
-                ([row for row, _ in grammar_rows], bitmask.result().to(self.device)) if bitmask is not None else None)
+                (masked_rows, bitmask.result().to(self.device)) if bitmask is not None else None)
             tokens = self.sampler(logits[: len(sample_rows)], metadata)
             for i, token in zip(sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token
@@ -202,6 +213,21 @@ class ModelRunner:
         """Rank 0: tell the workers to leave run_worker_loop."""
         if self.tp is not None:
             self.tp.broadcast_object(None)
+
+
+def _fill_grammar_masks(
+    rows: list[tuple[int, GrammarMatcher]],
+    drafted: list[tuple[int, GrammarMatcher, list[int]]],
+    num_rows: int,
+    vocab_size: int,
+) -> torch.Tensor:
+    """The step's allowed-token bitmask: one row per grammar sequence without drafts, and for one with drafts
+    a row per position, each under the grammar advanced through the drafts before it (so a draft token the
+    grammar refuses is rejected at its row, and the token drawn there follows the grammar)."""
+    bitmask = fill_bitmasks(rows, num_rows, vocab_size)
+    for row, matcher, draft in drafted:
+        matcher.fill_bitmask_through(bitmask, row, draft)
+    return bitmask
 
 
 @dataclass

@@ -268,7 +268,6 @@ def _sort_key(seq: Sequence) -> tuple[int, float, int]:
 
 
 def _can_speculate(seq: Sequence) -> bool:
-    """Drafted rows are sampled without the tokens before them: no penalties, no pending min_tokens, and no
-    grammar (a draft row's mask would need the matcher advanced through the drafts before it)."""
-    return (not seq.params.has_penalties and seq.num_output_tokens >= seq.params.min_tokens
-            and seq.grammar is None)
+    """Drafted rows are sampled without the tokens before them: no penalties and no pending min_tokens. A
+    grammar is fine: the runner masks each draft row under the grammar advanced through the drafts before it."""
+    return not seq.params.has_penalties and seq.num_output_tokens >= seq.params.min_tokens

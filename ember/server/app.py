@@ -43,8 +43,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     lifecycle = Lifecycle(settings.drain_timeout)
     runner = engine.runner
     metrics = ServerMetrics(settings.served_model_names[0], engine.stats, runner.kernel_paths)
-    ember_info = EmberModelInfo(dtype=str(runner.dtype).removeprefix("torch."), dtype_reason=runner.dtype_reason,
-                                kernel_level=runner.kernel_level, kernels=runner.kernel_paths)
+    ember_info = EmberModelInfo(
+        dtype=str(runner.dtype).removeprefix("torch."),
+        dtype_reason=runner.dtype_reason,
+        kernel_level=runner.kernel_level,
+        kernels=runner.kernel_paths,
+    )
     admission = AdmissionController(
         settings.max_queued_requests, settings.max_queued_tokens, settings.retry_after_s
     )
@@ -85,8 +89,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [
-            ModelCard(id=name, created=created, root=str(engine.source), max_model_len=engine.max_model_len,
-                      ember=ember_info)
+            ModelCard(
+                id=name,
+                created=created,
+                root=str(engine.source),
+                max_model_len=engine.max_model_len,
+                ember=ember_info,
+            )
             for name in settings.served_model_names
         ]
         return json_response(ModelList(data=cards))
@@ -95,7 +104,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> Response:
         chat.served_model(body.model)
         if body.messages is not None:
-            tokens = chat.render_prompt(body.messages, body.add_generation_prompt)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+            tokens = chat.render_prompt(body.messages, body.add_generation_prompt, tools or None)
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         token_strs = [text or "" for text in engine.tokenizer.convert_ids_to_tokens(tokens)]
@@ -138,7 +148,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # Added innermost first: AccessLog ends up outermost, so it sees every status (413, 401, 503 too).
     app.add_middleware(DrainGate, lifecycle=lifecycle, paths=GENERATION_PATHS)
     if settings.api_key:
-        app.add_middleware(APIKeyAuth, api_key=settings.api_key, protect_metrics=settings.metrics_require_auth)
+        app.add_middleware(
+            APIKeyAuth, api_key=settings.api_key, protect_metrics=settings.metrics_require_auth
+        )
     app.add_middleware(JSONContentType, paths=JSON_POST_PATHS)  # as the gateway: 415 before 401
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(AccessLog)

@@ -313,12 +313,21 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs, as vLLM
 
 
-class DeltaFunctionCall(BaseModel):
+class _OmitsNone(BaseModel):
+    """OpenAI's stream leaves a tool-call piece's absent fields out: after a call's first piece, a null
+    `type` would replace the call's in the openai SDK's stream helpers (which take `type` as given)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_OmitsNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_OmitsNone):
     """One piece of a streamed tool call: index, id, type and name first, then argument fragments."""
 
     index: int
@@ -416,6 +425,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered into the messages' prompt, as a chat request's are
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

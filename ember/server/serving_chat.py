@@ -18,24 +18,24 @@ from ember.server.protocol import (
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
-    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    ToolCall,
     Usage,
 )
 from ember.server.serving import SYSTEM_FINGERPRINT, OpenAIServing, ResponseContext
 from ember.server.streaming import TEXT_MARKER, TextChunkTemplate, sse_event
 from ember.server.structured_outputs import structured_output_spec
+from ember.server.tool_call_streams import ConstrainedToolCallStream, HermesToolCallStream
 from ember.server.tool_calls import (
     DEFAULT_SYSTEM,
     HERMES_TOOL_TEMPLATE,
-    ToolCallStream,
     ToolPlan,
     conversation,
     parse_tool_calls,
     plan_tools,
+    tool_call_stream,
     tool_schemas,
 )
 
@@ -49,16 +49,26 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         own = self.tokenizer.chat_template or ""
         # A ChatML template without a tools branch (SmolLM2's) gets the Hermes tool format; any other template
         # renders tools itself (or ignores them).
-        self._tool_template = (compile_chat_template(HERMES_TOOL_TEMPLATE)
-                               if "<|im_start|>" in own and "tools" not in own else None)
+        self._tool_template = (
+            compile_chat_template(HERMES_TOOL_TEMPLATE)
+            if "<|im_start|>" in own and "tools" not in own
+            else None
+        )
 
-    def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         uses_tools = tools or any(message.tool_calls or message.role == "tool" for message in messages)
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation(messages), add_generation_prompt=add_generation_prompt, tools=tools or None,
-                chat_template=self._tool_template if uses_tools else None, default_system=DEFAULT_SYSTEM,
+                conversation(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools or None,
+                chat_template=self._tool_template if uses_tools else None,
+                default_system=DEFAULT_SYSTEM,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
@@ -67,15 +77,21 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
     def encode_prompts(self, request: ChatCompletionRequest) -> list[list[int]]:
         plan = plan_tools(request)
-        return [self.render_prompt(request.messages, request.add_generation_prompt,
-                                   plan.tools if plan is not None else None)]
+        return [
+            self.render_prompt(
+                request.messages, request.add_generation_prompt, plan.tools if plan is not None else None
+            )
+        ]
 
     def sampling_params_for(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
         plan = plan_tools(request)
         tool_grammar = plan.spec if plan is not None else None
         if tool_grammar is not None and structured_output_spec(request) is not None:
-            raise InvalidRequestError(f"tool_choice {plan.choice!r} constrains the output already: it cannot be "
-                                      "combined with response_format or structured outputs", param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice {plan.choice!r} constrains the output already: it cannot be "
+                "combined with response_format or structured outputs",
+                param="tool_choice",
+            )
         return self.sampling_params(
             request,
             max_tokens=self.max_tokens_for(prompt_len, request.requested_max_tokens),
@@ -84,7 +100,9 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             structured_output=tool_grammar,
         )
 
-    def grammars_to_check(self, request: ChatCompletionRequest, params: SamplingParams) -> list[StructuredOutputSpec]:
+    def grammars_to_check(
+        self, request: ChatCompletionRequest, params: SamplingParams
+    ) -> list[StructuredOutputSpec]:
         return super().grammars_to_check(request, params) + tool_schemas(request)
 
     def chunk_renderer(self, request: ChatCompletionRequest, context: ResponseContext) -> _ChatChunks:
@@ -102,17 +120,22 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         plan = plan_tools(request)
         choices = []
         for choice in final.outputs:
-            content, calls = (parse_tool_calls(plan, choice.text) if plan is not None and plan.parses_calls
-                              else (choice.text, []))
-            choices.append(ChatCompletionChoice(
-                index=choice.index,
-                message=AssistantMessage(content=content, tool_calls=calls or None),
-                logprobs=None
-                if top_logprobs is None or choice.logprobs is None
-                else self.logprobs.chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs),
-                finish_reason=_finish_reason(choice, calls),
-                stop_reason=choice.stop_reason,
-            ))
+            content, calls = (
+                parse_tool_calls(plan, choice.text)
+                if plan is not None and plan.parses_calls
+                else (choice.text, [])
+            )
+            choices.append(
+                ChatCompletionChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=None
+                    if top_logprobs is None or choice.logprobs is None
+                    else self.logprobs.chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs),
+                    finish_reason=_finish_reason(choice, bool(calls)),
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=context.request_id,
             created=context.created,
@@ -124,9 +147,9 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         )
 
 
-def _finish_reason(choice: CompletionOutput, calls: list[ToolCall]) -> str | None:
-    """"tool_calls" where the model stopped after calling tools."""
-    return "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
+def _finish_reason(choice: CompletionOutput, called: bool) -> str | None:
+    """The choice's finish reason, "tool_calls" where the model stopped after calling tools."""
+    return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
 
 
 def _top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -137,12 +160,15 @@ def _top_logprobs(request: ChatCompletionRequest) -> int | None:
 class _ChatChunks:
     """Chunks of a streamed chat completion: the role first, then content deltas, then the finish.
 
-    Tool calls stream as the openai SDK accumulates them: per call a chunk with its index, id and name, then
-    its arguments in fragments. Under "required" or a named tool_choice they stream as generated; under
-    "auto" a choice's text is held back until it finishes, then parsed (content first, if any)."""
+    With tools, each choice's text goes through its tool-call reader (ember/server/tool_call_streams.py):
+    content streams as it comes until a call begins, and calls stream as the openai SDK accumulates them,
+    per call a chunk with its index, id and name, then its arguments in the fragments the model produces."""
 
     def __init__(
-        self, formatter: LogprobFormatter, context: ResponseContext, request: ChatCompletionRequest,
+        self,
+        formatter: LogprobFormatter,
+        context: ResponseContext,
+        request: ChatCompletionRequest,
         tools: ToolPlan | None,
     ) -> None:
         self._formatter = formatter
@@ -157,10 +183,7 @@ class _ChatChunks:
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
         self._templates: dict[int, TextChunkTemplate] = {}
         self._tools = tools if tools is not None and tools.parses_calls else None
-        # "required" and named tool_choice stream calls as they are generated; "auto" holds the text.
-        self._streams_calls = self._tools is not None and self._tools.spec is not None
-        self._call_streams: dict[int, ToolCallStream] = {}
-        self._held: dict[int, str] = {}  # "auto": each choice's text so far
+        self._call_streams: dict[int, ConstrainedToolCallStream | HermesToolCallStream] = {}
 
     def _event(self, choice: ChatCompletionChunkChoice | None, usage: Usage | None = None) -> bytes:
         chunk = ChatCompletionChunk(**self._header, choices=[choice] if choice else [], usage=usage)
@@ -175,11 +198,11 @@ class _ChatChunks:
         ]
 
     def delta(self, index: int, choice: CompletionOutput) -> bytes | None:
-        if self._streams_calls:
-            return self._call_events(index, choice.text) or None
         if self._tools is not None:
-            self._held[index] = self._held.get(index, "") + choice.text
-            return None
+            return (
+                self._tool_events(index, *self._call_stream(index).feed(choice.text), self._logprobs(choice))
+                or None
+            )
         if self._top_logprobs is None:
             if not choice.text:
                 return None
@@ -196,61 +219,60 @@ class _ChatChunks:
         return self._event(self._choice(index, choice, None))
 
     def final(self, index: int, choice: CompletionOutput) -> bytes:
-        if self._streams_calls:
-            events = self._call_events(index, choice.text)
-            called = self._call_streams[index].num_calls > 0
-            finish_reason = "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
-            return events + self._event(ChatCompletionChunkChoice(
-                index=index, delta=DeltaMessage(), finish_reason=finish_reason, stop_reason=choice.stop_reason))
-        if self._tools is not None:
-            return self._final_with_tools(index, choice)
-        return self._event(self._choice(index, choice, choice.finish_reason))
+        if self._tools is None:
+            return self._event(self._choice(index, choice, choice.finish_reason))
+        stream = self._call_stream(index)
+        events = self._tool_events(index, *stream.feed(choice.text), self._logprobs(choice))
+        events += self._tool_events(index, *stream.finish())
+        return events + self._event(
+            ChatCompletionChunkChoice(
+                index=index,
+                delta=DeltaMessage(),
+                finish_reason=_finish_reason(choice, stream.num_calls > 0),
+                stop_reason=choice.stop_reason,
+            )
+        )
 
-    def _final_with_tools(self, index: int, choice: CompletionOutput) -> bytes:
-        content, calls = parse_tool_calls(self._tools, self._held.pop(index, "") + choice.text)
-        events = []
-        if content:
-            events.append(self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=content))))
-        for call_index, call in enumerate(calls):
-            events.append(self._tool_call_event(index, DeltaToolCall(
-                index=call_index, id=call.id, type="function",
-                function=DeltaFunctionCall(name=call.function.name, arguments=""))))
-            for fragment in _fragments(call.function.arguments):
-                events.append(self._tool_call_event(index, DeltaToolCall(
-                    index=call_index, function=DeltaFunctionCall(arguments=fragment))))
-        events.append(self._event(ChatCompletionChunkChoice(
-            index=index, delta=DeltaMessage(), finish_reason=_finish_reason(choice, calls),
-            stop_reason=choice.stop_reason)))
-        return b"".join(events)
-
-    def _call_events(self, index: int, text: str) -> bytes:
-        """The tool-call pieces `text` completes, one chunk each."""
+    def _call_stream(self, index: int) -> ConstrainedToolCallStream | HermesToolCallStream:
         stream = self._call_streams.get(index)
         if stream is None:
-            stream = self._call_streams[index] = ToolCallStream(self._tools)
-        return b"".join(self._tool_call_event(index, piece) for piece in stream.feed(text))
+            stream = self._call_streams[index] = tool_call_stream(self._tools)
+        return stream
 
-    def _tool_call_event(self, index: int, call: DeltaToolCall) -> bytes:
-        return self._event(ChatCompletionChunkChoice(index=index, delta=DeltaMessage(tool_calls=[call])))
+    def _tool_events(
+        self, index: int, content: str, calls: list[DeltaToolCall], logprobs: ChatLogprobs | None = None
+    ) -> bytes:
+        """A content chunk (if any content), then one chunk per tool-call piece. The logprobs of the tokens
+        that produced them ride on the first of these chunks, or on a chunk of their own while the text is
+        held, so a stream's logprobs join to the whole response's."""
+        deltas = ([DeltaMessage(content=content)] if content else []) + [
+            DeltaMessage(tool_calls=[piece]) for piece in calls
+        ]
+        if logprobs is not None and logprobs.content and not deltas:
+            deltas = [DeltaMessage()]
+        return b"".join(
+            self._event(
+                ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs if not k else None)
+            )
+            for k, delta in enumerate(deltas)
+        )
+
+    def _logprobs(self, choice: CompletionOutput) -> ChatLogprobs | None:
+        """The logprobs of the choice's new tokens, if the request asks for them."""
+        if self._top_logprobs is None or choice.logprobs is None:
+            return None
+        return self._formatter.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
 
     def _choice(
         self, index: int, choice: CompletionOutput, finish_reason: str | None
     ) -> ChatCompletionChunkChoice:
-        logprobs = None
-        if self._top_logprobs is not None and choice.logprobs is not None:
-            logprobs = self._formatter.chat_logprobs(choice.token_ids, choice.logprobs, self._top_logprobs)
         return ChatCompletionChunkChoice(
             index=index,
             delta=DeltaMessage(content=choice.text),
-            logprobs=logprobs,
+            logprobs=self._logprobs(choice),
             finish_reason=finish_reason,
             stop_reason=choice.stop_reason if finish_reason else None,
         )
 
     def usage(self, usage: Usage) -> bytes:
         return self._event(None, usage)
-
-
-def _fragments(arguments: str, size: int = 16) -> list[str]:
-    """The arguments string in pieces of `size` characters, as a model's tokens would stream it."""
-    return [arguments[start:start + size] for start in range(0, len(arguments), size)] or [""]

@@ -10,21 +10,13 @@ validate. "none": no tools in the prompt, plain text out."""
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from ember.engine.errors import InvalidRequestError
 from ember.engine.sampling_params import StructuredOutputSpec
-from ember.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-)
+from ember.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
+from ember.server.tool_call_streams import ConstrainedToolCallStream, HermesToolCallStream, accumulate_calls
 
 # The Hermes/Qwen2.5 tool format over ChatML, for models whose own template has no tools branch (SmolLM2).
 HERMES_TOOL_TEMPLATE = """\
@@ -59,8 +51,6 @@ HERMES_TOOL_TEMPLATE = """\
 """
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system turn a conversation without one gets
 
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -70,6 +60,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # the request's tools as the template renders them ([] for "none")
     named: str | None  # the function tool_choice names
     spec: StructuredOutputSpec | None  # the grammar decoding follows ("required", "named")
+    parallel: bool = True  # parallel_tool_calls: False allows one call at most
 
     @property
     def parses_calls(self) -> bool:
@@ -82,32 +73,45 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
     tool_choice = request.tool_choice
     if not request.tools:
         if tool_choice is not None:
-            raise InvalidRequestError("tool_choice is only allowed when tools are specified",
-                                      param="tool_choice")
+            raise InvalidRequestError(
+                "tool_choice is only allowed when tools are specified", param="tool_choice"
+            )
         return None
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tools must have distinct function names", param="tools")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan("auto", tools, None, None)
+        return ToolPlan("auto", tools, None, None, request.parallel_tool_calls)
     if tool_choice == "none":
         return ToolPlan("none", [], None, None)
     if tool_choice == "required":
-        return ToolPlan("required", tools, None, StructuredOutputSpec.json_schema(
-            _calls_schema(request, request.parallel_tool_calls), "tools"))
+        return ToolPlan(
+            "required",
+            tools,
+            None,
+            StructuredOutputSpec.json_schema(_calls_schema(request, request.parallel_tool_calls), "tools"),
+        )
     name = tool_choice.function.name
     if name not in names:
-        raise InvalidRequestError(f"tool_choice names function {name!r}, which is not among the tools "
-                                  f"({', '.join(names)})", param="tool_choice")
-    return ToolPlan("named", [tools[names.index(name)]], name,
-                    StructuredOutputSpec.json_schema(_parameters(request, name), "tools"))
+        raise InvalidRequestError(
+            f"tool_choice names function {name!r}, which is not among the tools ({', '.join(names)})",
+            param="tool_choice",
+        )
+    return ToolPlan(
+        "named",
+        [tools[names.index(name)]],
+        name,
+        StructuredOutputSpec.json_schema(_parameters(request, name), "tools"),
+    )
 
 
 def tool_schemas(request: ChatCompletionRequest) -> list[StructuredOutputSpec]:
     """Each tool's parameters schema, to compile (an invalid one is a 400 naming `tools`)."""
-    return [StructuredOutputSpec.json_schema(_parameters(request, tool.function.name), "tools")
-            for tool in request.tools or []]
+    return [
+        StructuredOutputSpec.json_schema(_parameters(request, tool.function.name), "tools")
+        for tool in request.tools or []
+    ]
 
 
 def _parameters(request: ChatCompletionRequest, name: str) -> dict[str, Any]:
@@ -123,9 +127,14 @@ def _calls_schema(request: ChatCompletionRequest, parallel: bool) -> dict[str, A
     for tool in request.tools:
         parameters = dict(_parameters(request, tool.function.name))
         defs.update(parameters.pop("$defs", {}))
-        items.append({"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                       "arguments": parameters},
-                      "required": ["name", "arguments"], "additionalProperties": False})
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
@@ -140,9 +149,17 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for message in messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.tool_calls:
-            entry["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
-                for call in message.tool_calls]
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         rendered.append(entry)
@@ -156,108 +173,24 @@ def _arguments_object(arguments: str) -> Any:
         return arguments
 
 
+def tool_call_stream(plan: ToolPlan) -> ConstrainedToolCallStream | HermesToolCallStream:
+    """The reader of a choice's calls: the Hermes blocks under "auto", the grammar's shape otherwise."""
+    if plan.choice == "auto":
+        return HermesToolCallStream(
+            (tool["function"]["name"] for tool in plan.tools), max_calls=None if plan.parallel else 1
+        )
+    return ConstrainedToolCallStream(plan.named)
+
+
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The message content and the tool calls in the model's output text."""
-    if plan.choice == "named":
-        return None, [_call(plan.named, text)]
+    """The message content and the tool calls in a choice's whole text, read as its stream reads them."""
     if plan.choice == "required":
         try:
             json.loads(text)
         except ValueError:  # cut short by max_tokens
             return text, []
-        # The arguments exactly as generated, as the stream sends them.
-        calls: dict[int, list[str]] = {}
-        for piece in ToolCallStream(plan).feed(text):
-            name_and_arguments = calls.setdefault(piece.index, [piece.function.name or "", ""])
-            name_and_arguments[1] += piece.function.arguments or ""
-        return None, [_call(name, arguments) for name, arguments in calls.values()]
-    names = {tool["function"]["name"] for tool in plan.tools}
-    calls = []
-    for block in _TOOL_CALL_BLOCK.findall(text):
-        try:
-            call = json.loads(block)
-        except ValueError:
-            continue
-        arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
-        if call.get("name") in names and isinstance(arguments, dict):
-            calls.append(_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
-    if not calls:
-        return text, []
-    content = text[:text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
-def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
-
-
-_CALL_HEADER = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
-
-
-class ToolCallStream:
-    """A constrained choice's tool calls as they are generated ("required" and named tool_choice, whose
-    grammar fixes the text's shape): for each call, a piece with its index, id and name as soon as the name
-    is complete, then its arguments' text in the fragments the model produces."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self._plan = plan
-        self._text = ""
-        self._pos = 0  # how far the text is consumed
-        self._in_arguments = False
-        self._depth = 0  # JSON nesting inside the current arguments
-        self._in_string = False
-        self._escaped = False
-        self.num_calls = 0
-
-    def feed(self, text: str) -> list[DeltaToolCall]:
-        if self._plan.choice == "named":
-            pieces = [] if self.num_calls else [self._header(self._plan.named)]
-            return pieces + ([self._fragment(text)] if text else [])
-        self._text += text
-        pieces = []
-        while True:
-            if not self._in_arguments:
-                header = _CALL_HEADER.search(self._text, self._pos)
-                if header is None:
-                    return pieces
-                pieces.append(self._header(json.loads(f'"{header.group(1)}"')))
-                self._pos = header.end()
-                self._in_arguments = True
-            start = self._pos
-            end = self._scan_arguments()
-            if end > start:
-                pieces.append(self._fragment(self._text[start:end]))
-            if self._in_arguments:
-                return pieces
-
-    def _scan_arguments(self) -> int:
-        """Consume the arguments' text available; leaves _in_arguments when their closing brace is read."""
-        text = self._text
-        while self._pos < len(text):
-            char = text[self._pos]
-            self._pos += 1
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._in_arguments = False
-                    break
-        return self._pos
-
-    def _header(self, name: str) -> DeltaToolCall:
-        self.num_calls += 1
-        return DeltaToolCall(index=self.num_calls - 1, id=_call(name, "").id, type="function",
-                             function=DeltaFunctionCall(name=name, arguments=""))
-
-    def _fragment(self, text: str) -> DeltaToolCall:
-        return DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=text))
+    stream = tool_call_stream(plan)
+    content, pieces = stream.feed(text)
+    rest, more = stream.finish()
+    calls = accumulate_calls(pieces + more)
+    return ((content + rest) or None, calls) if calls else (text, [])

@@ -100,11 +100,15 @@ EDGE_NUMBERS = st.sampled_from(
     [0, -1, 1, 2**31, 2**53 + 1, 2**63, -(2**63) - 1, 2**64, 10**30, 1e308, -1e308, 1e-320, 0.5, -0.0,
      float("nan"), float("inf"), float("-inf")]
 )  # fmt: skip
-TEXT = st.text(max_size=24) | st.sampled_from(["", " ", "\x00", "\ud7ff\ue000", "\ud800", "🔥" * 50, "a" * 3000, "</s>"])
+TEXT = st.text(max_size=24) | st.sampled_from(
+    ["", " ", "\x00", "\ud7ff\ue000", "\ud800", "🔥" * 50, "a" * 3000, "</s>"]
+)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | EDGE_NUMBERS | TEXT
 JUNK = st.recursive(
     SCALARS,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -120,6 +124,20 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]), "content": TEXT}
 )
 SMALL_TOKENS = st.integers(min_value=1, max_value=4)
+FUNCTION_NAMES = st.sampled_from(["get_weather", "add", "bad name!", ""])
+PARAMETER_SCHEMAS = st.none() | st.sampled_from([
+    {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]},
+    {"type": "object"}, {"type": "nonsense"}, {"$ref": "#/nowhere"},
+]) | JUNK  # fmt: skip
+TOOLS = st.lists(
+    st.fixed_dictionaries({"type": st.just("function")})
+    | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": FUNCTION_NAMES, "parameters": PARAMETER_SCHEMAS})}),
+    max_size=2,
+)  # fmt: skip
+TOOL_CHOICES = st.sampled_from(["none", "auto", "required", "sometimes"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": FUNCTION_NAMES})}
+)
 TOKEN_IDS = st.lists(st.integers(min_value=0, max_value=49151), min_size=1, max_size=6)
 
 # Plausible values per field: a fuzz case mixes them with junk, so most requests are nearly valid
@@ -154,14 +172,28 @@ CHAT_FIELDS = {
     "max_completion_tokens": SMALL_TOKENS,
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(min_value=0, max_value=5),
-    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
-    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}), max_size=1),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries({"name": TEXT, "schema": PARAMETER_SCHEMAS}),
+        }
+    ),
+    "tools": TOOLS,
+    "tool_choice": TOOL_CHOICES,
+    "parallel_tool_calls": st.booleans(),
+    "guided_choice": st.lists(TEXT, max_size=3),
+    "guided_regex": st.sampled_from(["[a-z]{1,3}", "([a-z", "(ab)*"]) | TEXT,
+    "structured_outputs": st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=2)}) | JUNK,
     "add_generation_prompt": st.booleans(),
 }
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
     "model": st.just("tiny"),
-    "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=3) | TOKEN_IDS | st.lists(TOKEN_IDS, min_size=1, max_size=2),
+    "prompt": TEXT
+    | st.lists(TEXT, min_size=1, max_size=3)
+    | TOKEN_IDS
+    | st.lists(TOKEN_IDS, min_size=1, max_size=2),
     "max_tokens": SMALL_TOKENS,
     "echo": st.booleans(),
     "logprobs": st.integers(min_value=0, max_value=5),
@@ -172,12 +204,15 @@ TOKENIZE_FIELDS = {
     "model": st.just("tiny"),
     "prompt": TEXT,
     "messages": st.lists(MESSAGE, min_size=1, max_size=2),
+    "tools": TOOLS,
     "add_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(),
 }
 DETOKENIZE_FIELDS = {"model": st.just("tiny"), "tokens": TOKEN_IDS}
 ASYNC_FIELDS = {
-    "webhook_url": st.sampled_from(["http://127.0.0.1:1/hook", "https://example.invalid/h", "ftp://x", "not a url"]),
+    "webhook_url": st.sampled_from(
+        ["http://127.0.0.1:1/hook", "https://example.invalid/h", "ftp://x", "not a url"]
+    ),
     "max_time_in_queue_seconds": st.integers(min_value=1, max_value=600),
     "priority": st.integers(min_value=0, max_value=2),
 }
@@ -217,7 +252,9 @@ def json_object(draw: st.DrawFn, fields: dict[str, st.SearchStrategy]) -> dict:
 DEEP_NESTING = st.integers(min_value=50, max_value=200_000).map(lambda depth: b"[" * depth + b"]" * depth)
 RAW_BODIES = st.one_of(
     st.binary(max_size=64),
-    st.sampled_from([b"", b"{", b"null", b"[]", b'"text"', b"{}", b'{"model": NaN}', b"\xff\xfe{}", b"{" * 5000]),
+    st.sampled_from(
+        [b"", b"{", b"null", b"[]", b'"text"', b"{}", b'{"model": NaN}', b"\xff\xfe{}", b"{" * 5000]
+    ),
     DEEP_NESTING,
     JUNK.map(to_json),
 )
@@ -267,10 +304,14 @@ def headers(draw: st.DrawFn, key: str) -> dict[str, str]:
 
 
 QUERIES = st.dictionaries(
-    st.sampled_from(["limit", "after", "include_revoked", "order", "stream", "purpose", "x"]), HEADER_TEXT, max_size=3
+    st.sampled_from(["limit", "after", "include_revoked", "order", "stream", "purpose", "x"]),
+    HEADER_TEXT,
+    max_size=3,
 )
 METHODS = st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
-PATH_JUNK = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="?#%"), max_size=40)
+PATH_JUNK = st.text(
+    st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="?#%"), max_size=40
+)
 
 
 def paths(known: list[str]) -> st.SearchStrategy[str]:

@@ -27,8 +27,12 @@ def test_parse_twenty_pydantic_schemas(smollm2_server):
 
     async def one(client, model):
         completion = await client.beta.chat.completions.parse(
-            model=MODEL_NAME, messages=[{"role": "user", "content": f"{PROMPT} ({model.__name__})"}],
-            response_format=model, max_tokens=200, temperature=0)
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": f"{PROMPT} ({model.__name__})"}],
+            response_format=model,
+            max_tokens=200,
+            temperature=0,
+        )
         return completion.choices[0]
 
     async def run():
@@ -42,46 +46,71 @@ def test_parse_twenty_pydantic_schemas(smollm2_server):
         jsonschema.validate(json.loads(choice.message.content), model.model_json_schema())
 
 
-def test_streamed_json_schema_joins_to_valid_json(smollm2_server):
+def test_streamed_parse_of_twenty_pydantic_schemas(smollm2_server):
+    """The SDK's stream helper with a pydantic response_format: the content deltas join to valid JSON and the
+    final message parses into the model, for each of the 20 schemas."""
+
     async def one(client, model):
-        stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": f"{PROMPT} ({model.__name__})"}],
-            response_format={"type": "json_schema", "json_schema": {
-                "name": model.__name__, "schema": model.model_json_schema(), "strict": True}},
-            max_tokens=200, temperature=0, stream=True)
-        text, finish = "", None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
-        return text, finish
+        deltas = []
+        async with client.chat.completions.stream(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": f"{PROMPT} ({model.__name__})"}],
+            response_format=model,
+            max_tokens=200,
+            temperature=0,
+        ) as stream:
+            async for event in stream:
+                if event.type == "content.delta":
+                    deltas.append(event.delta)
+            final = await stream.get_final_completion()
+        return deltas, final.choices[0]
 
     async def run():
         async with _client(smollm2_server) as client:
             return await asyncio.gather(*(one(client, model) for model in SCHEMAS))
 
-    for model, (text, finish) in zip(SCHEMAS, asyncio.run(run()), strict=True):
-        assert finish == "stop", (model.__name__, text)
-        jsonschema.validate(json.loads(text), model.model_json_schema())
-        model.model_validate_json(text)
+    for model, (deltas, choice) in zip(SCHEMAS, asyncio.run(run()), strict=True):
+        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
+        assert len(deltas) > 1 and "".join(deltas) == choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), model.model_json_schema())
+        assert isinstance(choice.message.parsed, model)
 
 
 def test_completions_and_vllm_fields(smollm2_server):
     """/v1/completions takes response_format too; vLLM's guided_* and structured_outputs constrain alike."""
     url = f"{smollm2_server.url}/v1"
     cases = [
-        ("completions", {"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
-        ("chat/completions", {"response_format": {"type": "json_object"}},
-         lambda text: isinstance(json.loads(text), dict)),
+        (
+            "completions",
+            {"response_format": {"type": "json_object"}},
+            lambda text: isinstance(json.loads(text), dict),
+        ),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_object"}},
+            lambda text: isinstance(json.loads(text), dict),
+        ),
         ("completions", {"guided_choice": ["cat", "dog"]}, lambda text: text in ("cat", "dog")),
-        ("chat/completions", {"guided_regex": r"[0-9]{3}-[a-z]{2}"},
-         lambda text: len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()),
-        ("chat/completions", {"structured_outputs": {"choice": ["yes", "no"]}}, lambda text: text in ("yes", "no")),
-        ("chat/completions", {"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}},
-                                              "required": ["n"]}},
-         lambda text: isinstance(json.loads(text)["n"], int)),
-        ("completions", {"guided_grammar": 'root ::= "A" [0-9] [0-9]'},
-         lambda text: len(text) == 3 and text[0] == "A" and text[1:].isdigit()),
+        (
+            "chat/completions",
+            {"guided_regex": r"[0-9]{3}-[a-z]{2}"},
+            lambda text: len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha(),
+        ),
+        (
+            "chat/completions",
+            {"structured_outputs": {"choice": ["yes", "no"]}},
+            lambda text: text in ("yes", "no"),
+        ),
+        (
+            "chat/completions",
+            {"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+            lambda text: isinstance(json.loads(text)["n"], int),
+        ),
+        (
+            "completions",
+            {"guided_grammar": 'root ::= "A" [0-9] [0-9]'},
+            lambda text: len(text) == 3 and text[0] == "A" and text[1:].isdigit(),
+        ),
     ]
     for path, fields, check in cases:
         body = {"model": MODEL_NAME, "max_tokens": 60, "temperature": 0, **fields}
@@ -98,25 +127,45 @@ def test_completions_and_vllm_fields(smollm2_server):
 
 
 def test_n_siblings_each_follow_the_grammar(smollm2_server):
-    response = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json={
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Pick a color."}], "n": 4,
-        "temperature": 1.0, "seed": 7, "max_tokens": 10, "guided_choice": ["red", "green", "blue"]}, timeout=120)
+    response = httpx.post(
+        f"{smollm2_server.url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Pick a color."}],
+            "n": 4,
+            "temperature": 1.0,
+            "seed": 7,
+            "max_tokens": 10,
+            "guided_choice": ["red", "green", "blue"],
+        },
+        timeout=120,
+    )
     assert response.status_code == 200, response.text
     texts = [choice["message"]["content"] for choice in response.json()["choices"]]
     assert len(texts) == 4 and set(texts) <= {"red", "green", "blue"}
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"guided_regex": "([a-z"}, "guided_regex"),
-    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ],
+)
 def test_invalid_constraints_are_400_naming_the_field(smollm2_server, fields, param):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **fields}
     response = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)

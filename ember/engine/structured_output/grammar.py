@@ -47,6 +47,21 @@ class GrammarMatcher:
         if not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_bitmask_through(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Fill bitmask[row] for the next token and bitmask[row + 1 + j] for the token after draft[: j + 1],
+        as far as the grammar takes the draft; the matcher ends where it started. The rows after a draft token
+        the grammar refuses stay open: that token is masked out at its own row, so the sampler rejects it and
+        never reads them."""
+        self.fill_bitmask(bitmask, row)
+        advanced = 0
+        for token_id in draft:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            advanced += 1
+            self.fill_bitmask(bitmask, row + advanced)
+        if advanced:
+            self._matcher.rollback(advanced)
+
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
@@ -121,8 +136,9 @@ class StructuredOutputManager:
         if spec.kind == "choice":
             choices = json.loads(spec.value)
             if not choices or not all(isinstance(choice, str) and choice for choice in choices):
-                raise InvalidRequestError(f"{spec.param} must be a non-empty list of non-empty strings",
-                                          param=spec.param)
+                raise InvalidRequestError(
+                    f"{spec.param} must be a non-empty list of non-empty strings", param=spec.param
+                )
             # An EBNF string literal escapes like a JSON string.
             alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
             return compiler.compile_grammar(f"root ::= {alternatives}")
@@ -138,8 +154,12 @@ class StructuredOutputManager:
                 hf = self._tokenizer.hf_tokenizer
                 vocab = [hf.id_to_token(token_id) or "" for token_id in range(hf.get_vocab_size(True))]
                 metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
-                info = xgrammar.TokenizerInfo(vocab, metadata["vocab_type"], vocab_size=self._vocab_size,
-                                              stop_token_ids=self._stop_token_ids,
-                                              add_prefix_space=metadata["add_prefix_space"])
+                info = xgrammar.TokenizerInfo(
+                    vocab,
+                    metadata["vocab_type"],
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop_token_ids,
+                    add_prefix_space=metadata["add_prefix_space"],
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
