@@ -8,6 +8,11 @@ Per key (the `{key_id}` hash tag keeps one key's state in one Redis Cluster slot
     <prefix>:limits:{<key_id>}:tokens     hash {level, updated_ms}   TPM bucket
     <prefix>:limits:{<key_id>}:leases     zset admission id -> lease expiry (ms)   concurrency slots
     <prefix>:limits:{<key_id>}:reserved   hash admission id -> estimated tokens    budget reservations
+    <prefix>:limits:{<key_id>}:revoked    string, set by a revocation               refused at admission
+
+A revoked key is refused by every gateway's next admission (the revoking gateway writes the marker after
+the PostgreSQL commit), not only once each gateway has reloaded its keys (NOTIFY, milliseconds, or the
+1 s reload); the marker outlives any reload by far and then expires.
 
 Clocks come from Redis (TIME), never from a gateway. A bucket's hash expires once it would be full
 again, so an idle key costs nothing. A gateway that dies with requests in flight cannot settle them:
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from ember.gateway.keys import Principal
+from ember.gateway.keys import Principal, invalid_api_key
 from ember.gateway.ratelimit import (
     BucketState,
     check_budget,
@@ -57,13 +62,14 @@ local function clock()
 end
 """
 
-# KEYS: requests bucket, tokens bucket, leases, reserved.
+# KEYS: requests bucket, tokens bucket, leases, reserved, revoked marker.
 # ARGV: rpm, tpm, estimate, max_concurrent, budget (-1: none), used tokens, admission id, lease ms.
 # Returns {verdict, requests level, tokens level, reserved, wait ms for requests, wait ms for tokens}; levels
 # as strings ('' without that limit) since Lua numbers reach Redis replies truncated to integers.
 _ADMIT = (
     _REFILL
     + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return {'revoked', '', '', 0, '0', '0'} end
 local rpm, tpm, estimate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_concurrent, budget, used = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = clock()
@@ -126,6 +132,15 @@ return total
 """
 
 
+# A revocation's mark outlives every gateway's key reload (KEYS_RELOAD_S) by far, PostgreSQL outages included.
+REVOKED_MARKER_S = 3600
+
+
+def limits_key(prefix: str, key_id: str, part: str) -> str:
+    """The Redis key of one part of an API key's limit state."""
+    return f"{prefix}:limits:{{{key_id}}}:{part}"
+
+
 @dataclass(slots=True)
 class SharedAdmission:
     """One admitted request's claim in Redis; `settle` it exactly once."""
@@ -148,7 +163,7 @@ class SharedRateLimiter:
         self._settling: set[asyncio.Task] = set()
 
     def _key(self, key_id: str, part: str) -> str:
-        return f"{self.prefix}:limits:{{{key_id}}}:{part}"
+        return limits_key(self.prefix, key_id, part)
 
     async def reserved_tokens(self, key_id: str) -> int:
         try:
@@ -166,7 +181,10 @@ class SharedRateLimiter:
         used = self.usage.total_tokens(key_id)  # read once: the script and the refusal must agree
         try:
             verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._admit(
-                keys=[self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved")],
+                keys=[
+                    self._key(key_id, part)
+                    for part in ("requests", "tokens", "leases", "reserved", "revoked")
+                ],
                 args=[
                     policy.rpm or 0,
                     policy.tpm or 0,
@@ -180,6 +198,8 @@ class SharedRateLimiter:
             )
         except aioredis.RedisError as exc:
             raise state_unavailable("Redis", exc) from None
+        if verdict == "revoked":
+            raise invalid_api_key()
         headers = limit_headers(_bucket(policy.rpm, requests), _bucket(policy.tpm, tokens))
         if verdict == "budget":
             check_budget(principal, used, int(reserved), estimated_tokens)  # raises: same figures
