@@ -18,7 +18,7 @@ from test_async_crash_recovery import GatewayProcess
 
 from ember.gateway.jobs.webhooks import verify
 
-JOBS = 30
+JOBS = 50  # the figure: queued and running when one gateway is killed
 CONCURRENCY = 4  # jobs each gateway runs at once
 
 
