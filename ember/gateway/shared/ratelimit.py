@@ -14,6 +14,9 @@ A revoked key is refused by every gateway's next admission (the revoking gateway
 the PostgreSQL commit), not only once each gateway has reloaded its keys (NOTIFY, milliseconds, or the
 1 s reload); the marker outlives any reload by far and then expires.
 
+Admissions and settlements made in one event-loop tick go to Redis as one pipelined round trip
+(ember.gateway.shared.script_batch); each script still runs atomically on its own.
+
 Clocks come from Redis (TIME), never from a gateway. A bucket's hash expires once it would be full
 again, so an idle key costs nothing. A gateway that dies with requests in flight cannot settle them:
 their slots and reservations lapse when their lease (`state.redis.lease_s`) expires.
@@ -39,6 +42,7 @@ from ember.gateway.ratelimit import (
     too_large_error,
 )
 from ember.gateway.shared.connection import SharedState, state_unavailable
+from ember.gateway.shared.script_batch import ScriptBatcher
 from ember.gateway.usage import UsageLedger
 
 logger = logging.getLogger(__name__)
@@ -160,7 +164,8 @@ class SharedRateLimiter:
         self._admit = self.redis.register_script(_ADMIT)
         self._settle = self.redis.register_script(_SETTLE)
         self._reserved = self.redis.register_script(_RESERVED)
-        self._settling: set[asyncio.Task] = set()
+        self._batch = ScriptBatcher(self.redis)  # admissions and settlements: one round trip per tick
+        self._settling: set[asyncio.Future] = set()
 
     def _key(self, key_id: str, part: str) -> str:
         return limits_key(self.prefix, key_id, part)
@@ -180,12 +185,10 @@ class SharedRateLimiter:
         budget = -1 if policy.token_budget is None else policy.token_budget
         used = self.usage.total_tokens(key_id)  # read once: the script and the refusal must agree
         try:
-            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._admit(
-                keys=[
-                    self._key(key_id, part)
-                    for part in ("requests", "tokens", "leases", "reserved", "revoked")
-                ],
-                args=[
+            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._batch.run(
+                self._admit,
+                [self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved", "revoked")],
+                [
                     policy.rpm or 0,
                     policy.tpm or 0,
                     estimated_tokens,
@@ -212,24 +215,27 @@ class SharedRateLimiter:
         return SharedAdmission(principal, admission_id, estimated_tokens, headers)
 
     def settle(self, admission: SharedAdmission, used_tokens: int | None) -> None:
-        """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. It
-        runs as a task because requests finish in synchronous callbacks; `drain` waits for them."""
-        task = asyncio.get_running_loop().create_task(self._settle_now(admission, used_tokens))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle_now(self, admission: SharedAdmission, used_tokens: int | None) -> None:
+        """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. Sent
+        with this tick's batch, since requests finish in synchronous callbacks; `drain` waits for it."""
         key_id = admission.principal.key_id
         correction = "" if used_tokens is None else used_tokens - admission.estimated_tokens
-        try:
-            await self._settle(
-                keys=[self._key(key_id, part) for part in ("tokens", "leases", "reserved")],
-                args=[admission.admission_id, admission.principal.policy.tpm or 0, correction],
-            )
-        except aioredis.RedisError as exc:
+        settled = self._batch.run(
+            self._settle,
+            [self._key(key_id, part) for part in ("tokens", "leases", "reserved")],
+            [admission.admission_id, admission.principal.policy.tpm or 0, correction],
+        )
+        self._settling.add(settled)
+        settled.add_done_callback(lambda done: self._settled(done, admission))
+
+    def _settled(self, done: asyncio.Future, admission: SharedAdmission) -> None:
+        self._settling.discard(done)
+        if not done.cancelled() and done.exception() is not None:
             # The lease expires instead: the slot and reservation come back after state.redis.lease_s.
             logger.warning(
-                "could not settle admission %s of key %s in Redis: %s", admission.admission_id, key_id, exc
+                "could not settle admission %s of key %s in Redis: %s",
+                admission.admission_id,
+                admission.principal.key_id,
+                done.exception(),
             )
 
     async def drain(self) -> None:
