@@ -65,7 +65,9 @@ class Dispatcher:
         self.shared = SharedState(config.state) if config.state.shared else None
         self.shared_keys = SharedKeyStore(self.shared) if self.shared is not None else None
         self.keys = KeyRing(config, self.store, self.shared_keys)
-        self.usage = SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
+        self.usage = (
+            SharedUsageLedger(self.shared_keys) if self.shared_keys is not None else UsageLedger(self.store)
+        )
         self.limiter: RateLimiter | SharedRateLimiter = (
             SharedRateLimiter(self.shared, self.usage) if self.shared is not None else RateLimiter(self.usage)
         )
@@ -123,7 +125,9 @@ class Dispatcher:
         request = parse_request_body(endpoint, body)
         model = request.model
         if model not in self.config.models:
-            raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+            raise GatewayError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
         policy = principal.policy
         if not policy.allows_model(model):
             self.metrics.count_request(model, self.metrics.key_label(principal), "", "403")
@@ -149,11 +153,14 @@ class Dispatcher:
             admission = await self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             key = self.metrics.key_label(principal)
-            self.metrics.rate_limited.labels(key, exc.type).inc()
+            if exc.status == 429:  # not a revoked key (401) or an unreachable shared state (503)
+                self.metrics.rate_limited.labels(key, exc.type).inc()
             self.metrics.count_request(model, key, "", str(exc.status))
             raise
         try:
-            return await self._forward(ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body)
+            return await self._forward(
+                ctx, request, principal, admission, arrival, arrival + deadline_s, raw_body
+            )
         except BaseException as exc:
             self.limiter.settle(admission, None)
             status = str(exc.status) if isinstance(exc, GatewayError) else "cancelled"
@@ -188,13 +195,20 @@ class Dispatcher:
         """How many requests an autoscaled model with no ready replica holds (None: the queue's limit)."""
         return self.config.models[model].autoscaling.hold_limit if self.holds_for_a_replica(model) else None
 
-    def _upstream_body(self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool) -> bytes:
+    def _upstream_body(
+        self, ctx: RequestContext, replica: Replica, raw_body: bytes | None, force_usage: bool
+    ) -> bytes:
         """The body for the replica: its model name, the engine priority of the request's tier in
         place of any the client sent, and usage for streams. The client's bytes go as they are when
         none of that changes them (tier 0 is the engine's default priority)."""
         body = ctx.body
         priority = engine_priority(ctx.priority)
-        unchanged = replica.upstream_model == ctx.model and not force_usage and "priority" not in body and priority == 0
+        unchanged = (
+            replica.upstream_model == ctx.model
+            and not force_usage
+            and "priority" not in body
+            and priority == 0
+        )
         if unchanged and raw_body is not None:
             return raw_body
         body = {**body, "model": replica.upstream_model, "priority": priority}
@@ -225,7 +239,11 @@ class Dispatcher:
             ctx.attempt = attempt
             try:
                 replica = await self.queue.acquire(
-                    ctx.model, ctx.priority, deadline, lambda: self._select(ctx, exclude), self._hold_limit(ctx.model)
+                    ctx.model,
+                    ctx.priority,
+                    deadline,
+                    lambda: self._select(ctx, exclude),
+                    self._hold_limit(ctx.model),
                 )
             except GatewayError as exc:
                 if last_failure is not None:
@@ -241,7 +259,9 @@ class Dispatcher:
             self.metrics.routing_for(ctx.model, routing_policy, replica.id, reason).inc()
             response: UpstreamResponse | None = None
             try:
-                response = await self.client.post(replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage))
+                response = await self.client.post(
+                    replica, ctx.endpoint, self._upstream_body(ctx, replica, raw_body, force_usage)
+                )
                 if response.status >= 500:
                     body = await read_body(response)
                     raise UpstreamFailure(
@@ -250,7 +270,9 @@ class Dispatcher:
                 is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
                 if not stream or response.status != 200 or not is_sse:
                     body = await read_body(response)
-                    result = UpstreamResult(replica, response.status, self._headers(response, admission), body=body)
+                    result = UpstreamResult(
+                        replica, response.status, self._headers(response, admission), body=body
+                    )
                     self.pool.mark_success(replica)
                     self.metrics.observe_ttft(ctx.model, time.monotonic() - arrival)
                     self._finish(ctx, principal, admission, arrival, result, "ok", result.usage)

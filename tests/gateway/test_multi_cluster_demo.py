@@ -221,3 +221,23 @@ def test_killed_cluster_gateways_leave_their_cluster_or_the_other_serving(tmp_pa
         fleet.stop()
     assert fleet.process.returncode == 0
     assert "all processes stopped" in "".join(fleet.lines)
+
+
+def test_demo_flag_and_state_flags_are_checked_on_the_command_line(tmp_path):
+    def up(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "ember.cli", "up", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    printed = up("--demo", "multi-cluster", "--print-commands")
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines][:2] == ["front-door", "east-gateway-8100"] and len(
+        lines
+    ) == 9
+    both = up(default_fleet_path(), "--demo", "multi-cluster")
+    assert both.returncode == 2 and "give a fleet file or --demo, not both" in both.stderr
+    single = up("--demo", "default", "--redis-url", "redis://127.0.0.1:6379/0", "--print-commands")
+    assert (
+        single.returncode == 2
+        and "--postgres-dsn and --redis-url are for multi-cluster fleets" in single.stderr
+    )

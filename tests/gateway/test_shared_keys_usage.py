@@ -117,6 +117,11 @@ def test_a_key_marked_revoked_in_redis_is_refused_before_any_gateway_reloads_it(
     redis.Redis.from_url(REDIS_URL).set(mark, "1", ex=60)
     refused = chat(gateway, created["key"])
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        gateway.metric("ember_gateway_requests_total", model="tiny", key="team", replica="", status="401")
+        == 1
+    )
+    assert gateway.metric("ember_gateway_rate_limited_total", key="team", limit="invalid_request_error") == 0
     listed = http.get(gateway.url + "/admin/keys", headers=ADMIN).json()["data"]
     assert [(k["name"], k["revoked_at"]) for k in listed] == [("team", None)]
 

@@ -186,3 +186,4 @@ def test_requests_needing_an_unreachable_redis_answer_503_and_pass_nothing(
     assert (error["type"], error["code"]) == ("service_unavailable", "state_unavailable")
     assert "shared state (Redis) is unreachable" in error["message"]
     assert len(a.requests) == 1  # not let through unlimited
+    assert first.metric("ember_gateway_rate_limited_total", key="k", limit="service_unavailable") == 0
