@@ -3,15 +3,24 @@ gateway would (same 429s and headers, same reservations and settlement)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import socket
 import threading
 import urllib.parse
 
+import pytest
 import redis
 from gateway_harness import gateway_config, http, model_config, wait_until
 from shared_stores import REDIS_URL
+
+from ember.gateway.config import KeyPolicy
+from ember.gateway.keys import Principal
+from ember.gateway.shared.config import StateConfig
+from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.ratelimit import SharedRateLimiter
+from ember.gateway.usage import UsageLedger
 
 
 def chat(gateway, key: str, max_tokens: int = 16):
@@ -187,3 +196,34 @@ def test_requests_needing_an_unreachable_redis_answer_503_and_pass_nothing(
     assert "shared state (Redis) is unreachable" in error["message"]
     assert len(a.requests) == 1  # not let through unlimited
     assert first.metric("ember_gateway_rate_limited_total", key="k", limit="service_unavailable") == 0
+
+
+def test_an_admission_whose_caller_left_gives_its_slot_back_at_once(shared_state):
+    """A request cancelled (its client gone) while its admission script is on the way to Redis: the script
+    admits it all the same, so its concurrency slot must come back now, not when its lease lapses."""
+
+    async def scenario() -> dict[str, str]:
+        state = SharedState(StateConfig.model_validate(shared_state))
+        await state.open()
+        try:
+            limiter = SharedRateLimiter(state, UsageLedger(None))
+            principal = Principal("inline:k", "k", KeyPolicy(rpm=10, max_concurrent=1))
+            leaving = asyncio.create_task(limiter.admit(principal, 10))
+            await asyncio.sleep(0)  # queued in this tick's batch, waiting for its reply
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+            leases = f"{shared_state['redis']['key_prefix']}:limits:{{inline:k}}:leases"
+            for _ in range(500):
+                if await state.redis.zcard(leases) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            admitted = await limiter.admit(principal, 10)  # max_concurrent 1: only if the slot came back
+            limiter.settle(admitted, 10)
+            await limiter.drain()
+            return admitted.headers
+        finally:
+            await state.close()
+
+    headers = asyncio.run(scenario())
+    assert headers["x-ratelimit-remaining-requests"] == "8"  # the abandoned admission took one request

@@ -184,23 +184,30 @@ class SharedRateLimiter:
         admission_id = uuid.uuid4().hex
         budget = -1 if policy.token_budget is None else policy.token_budget
         used = self.usage.total_tokens(key_id)  # read once: the script and the refusal must agree
+        reply = self._batch.run(
+            self._admit,
+            [self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved", "revoked")],
+            [
+                policy.rpm or 0,
+                policy.tpm or 0,
+                estimated_tokens,
+                policy.max_concurrent or 0,
+                budget,
+                used,
+                admission_id,
+                self.lease_ms,
+            ],
+        )
         try:
-            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._batch.run(
-                self._admit,
-                [self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved", "revoked")],
-                [
-                    policy.rpm or 0,
-                    policy.tpm or 0,
-                    estimated_tokens,
-                    policy.max_concurrent or 0,
-                    budget,
-                    used,
-                    admission_id,
-                    self.lease_ms,
-                ],
-            )
+            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await asyncio.shield(reply)
         except aioredis.RedisError as exc:
             raise state_unavailable("Redis", exc) from None
+        except asyncio.CancelledError:
+            # The caller left (its client disconnected) while the script was on its way: if it admitted
+            # the request, give the slot and reservation back now rather than after the lease.
+            abandoned = SharedAdmission(principal, admission_id, estimated_tokens, {})
+            reply.add_done_callback(lambda done: self._release_abandoned(done, abandoned))
+            raise
         if verdict == "revoked":
             raise invalid_api_key()
         headers = limit_headers(_bucket(policy.rpm, requests), _bucket(policy.tpm, tokens))
@@ -213,6 +220,10 @@ class SharedRateLimiter:
         elif verdict == "rate":
             raise rate_error(principal, float(request_wait_ms) / 1000, float(token_wait_ms) / 1000, headers)
         return SharedAdmission(principal, admission_id, estimated_tokens, headers)
+
+    def _release_abandoned(self, reply: asyncio.Future, admission: SharedAdmission) -> None:
+        if not reply.cancelled() and reply.exception() is None and reply.result()[0] == "ok":
+            self.settle(admission, None)  # as a request that ended without usage: its TPM charge stays
 
     def settle(self, admission: SharedAdmission, used_tokens: int | None) -> None:
         """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. Sent
