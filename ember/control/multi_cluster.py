@@ -51,7 +51,7 @@ from ember.control.fleet import (
     RestartPolicy,
     load_fleet,
 )
-from ember.gateway.config import format_location, load_config
+from ember.gateway.config import GatewayConfigError, format_location, load_config
 from ember.strict_model import StrictModel
 
 POSTGRES_DSN_ENV = "EMBER_POSTGRES_DSN"
@@ -102,7 +102,7 @@ class MultiClusterSpec(StrictModel):
     shutdown_timeout_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
-    def _distinct(self) -> MultiClusterSpec:
+    def _consistent(self) -> MultiClusterSpec:
         ports = [self.front_door.port] + [
             p for c in self.clusters.values() for p in [*c.gateways, *c.replicas]
         ]
@@ -112,6 +112,12 @@ class MultiClusterSpec(StrictModel):
         names = [name for name in self.clusters if not re.fullmatch(r"[a-z][a-z0-9]*", name)]
         if names:
             raise ValueError(f"cluster names must be lowercase letters and digits: {', '.join(names)}")
+        used = {f"clusters.{name}.region": cluster.region for name, cluster in self.clusters.items()}
+        if self.front_door.region is not None:
+            used["front_door.region"] = self.front_door.region
+        undeclared = [f"{where} {region!r}" for where, region in used.items() if region not in self.regions]
+        if self.regions and undeclared:
+            raise ValueError(f"regions not declared under regions: {', '.join(undeclared)}")
         return self
 
 
@@ -148,7 +154,7 @@ def load_multi_cluster(path: str | Path, run_dir: Path, postgres_dsn: str, redis
         door_env[key_env] = service_key
         cluster_file = run_dir / f"cluster-{name}.yaml"
         _write_yaml(cluster_file, _cluster_config(spec, name, cluster, service_key, source, replica_args))
-        with _environment(state_env):
+        with _environment(state_env), _generated_from(path, f"cluster {name}"):
             fleet = load_fleet(cluster_file)
         gateway, *replicas = fleet.children
         for port in cluster.gateways:
@@ -172,7 +178,8 @@ def load_multi_cluster(path: str | Path, run_dir: Path, postgres_dsn: str, redis
         ]
     door_file = run_dir / "front-door.yaml"
     _write_yaml(door_file, _front_door_config(spec, members))
-    with _environment(door_env):  # the members' api_key_env must be set to validate the file
+    # The members' api_key_env must be set to validate the file.
+    with _environment(door_env), _generated_from(path, "the front door"):
         door_config = load_config(door_file)
     launch = LaunchConfig(
         gateway=LaunchGateway(host=spec.front_door.host, port=spec.front_door.port),
@@ -256,6 +263,16 @@ def _front_door_config(spec: MultiClusterSpec, members: dict[str, dict[str, Any]
 
 def _write_yaml(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(yaml.safe_dump(dict(data), sort_keys=False), encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _generated_from(path: Path, what: str) -> Iterator[None]:
+    """A generated gateway file that does not validate: the error names the file the user wrote (the
+    generated one is gone once `ember up` exits)."""
+    try:
+        yield
+    except (FleetError, GatewayConfigError) as exc:
+        raise FleetError(f"{path}: the gateway file generated for {what} is invalid: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -24,8 +24,6 @@ from shared_stores import POSTGRES_DSN, REDIS_URL, require_stores, run_sql
 
 from ember.commands.up import default_fleet_path
 
-pytestmark = pytest.mark.slow
-
 KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
 RESTART_BACKOFF_S = 15.0  # long enough to see a killed gateway's cluster serve without it
@@ -187,8 +185,22 @@ def test_a_bad_multi_cluster_file_fails_before_anything_starts(tmp_path):
     assert result.returncode != 0
     assert "multi_cluster: every port must be used once, repeated: 9000" in result.stderr
     assert "Traceback" not in result.stderr
+    path.write_text(yaml.safe_dump({"multi_cluster": {
+        "model": {"name": "tiny"},
+        "regions": {"us-east": {}},
+        "clusters": {"east": {"region": "us-eest", "gateways": [9000], "replicas": [9001]}},
+    }}))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "up", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert (
+        f"{path}: multi_cluster: regions not declared under regions: clusters.east.region 'us-eest'"
+        in result.stderr
+    )
 
 
+@pytest.mark.slow
 def test_killed_cluster_gateways_leave_their_cluster_or_the_other_serving(tmp_path, tiny_model_dir):
     require_stores()
     fleet = MultiClusterFleet(tmp_path, tiny_model_dir)
