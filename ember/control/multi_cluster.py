@@ -201,6 +201,11 @@ def _read_spec(path: Path) -> MultiClusterSpec:
         raise FleetError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    others = sorted(set(data) - {"multi_cluster"})
+    if others:  # e.g. a gateway section meant for the generated files: say so rather than ignore it
+        raise FleetError(
+            f"{path}: a multi-cluster file has only `multi_cluster:`, remove: {', '.join(others)}"
+        )
     try:
         return MultiClusterSpec.model_validate(data["multi_cluster"])
     except ValidationError as exc:

@@ -198,6 +198,14 @@ def test_a_bad_multi_cluster_file_fails_before_anything_starts(tmp_path):
         f"{path}: multi_cluster: regions not declared under regions: clusters.east.region 'us-eest'"
         in result.stderr
     )
+    path.write_text(yaml.safe_dump({"multi_cluster": {"model": {"name": "tiny"}}, "models": {}}))
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "up", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        result.returncode == 2
+        and "a multi-cluster file has only `multi_cluster:`, remove: models" in result.stderr
+    )
 
 
 @pytest.mark.slow
