@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.control.fleet import Fleet
 
 DEMOS = ("default", "multi-cluster")  # the fleet files packaged in ember/fleets/
 
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _start(fleet, print_commands: bool) -> int:
+def _start(fleet: Fleet, print_commands: bool) -> int:
     import asyncio
     import shlex
     import sys
