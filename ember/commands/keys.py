@@ -1,37 +1,59 @@
-"""`ember keys create|list|revoke|hash`: manage the gateway's API keys (SQLite store, hashes only)."""
+"""`ember keys create|list|revoke|hash`: manage the gateway's API keys (hashes only): the SQLite store
+(--db, or keys.store of --config), or PostgreSQL when --config has `state: {backend: shared}` (docs/ha.md)
+- there, as through any gateway's admin API, every running gateway sees a new or revoked key at once."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.errors import EmberError
+
+if TYPE_CHECKING:
+    from ember.gateway.config import KeyPolicy
+    from ember.gateway.keys import StoredKey
+    from ember.gateway.shared.config import StateConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "keys",
         help="Create, list and revoke gateway API keys",
-        description="Manage the gateway's API keys. The store is --db, or keys.store in --config.",
+        description="Manage the gateway's API keys. The store is --db, or keys.store in --config, or with "
+        "`state: {backend: shared}` in --config its PostgreSQL (the keys every gateway of that state shares).",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     def store_args(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--db", help="SQLite key store file (created if missing)")
-        sub.add_argument("--config", help="Gateway config whose keys.store to use (instead of --db)")
+        sub.add_argument(
+            "--config",
+            help="Gateway config whose keys.store (or, with state.backend shared, whose PostgreSQL) to use "
+            "instead of --db",
+        )
 
     create = actions.add_parser("create", help="Create a key and print it (shown only this once)")
     store_args(create)
     create.add_argument("--name", required=True, help="A name for the key (unique among live keys)")
-    create.add_argument("--models", default="*", help='Comma-separated model names it may use (default "*": all)')
+    create.add_argument(
+        "--models", default="*", help='Comma-separated model names it may use (default "*": all)'
+    )
     create.add_argument(
         "--endpoints",
         help="Comma-separated API surfaces it may use: chat, completions, batch, async, admin "
         "(default: all but admin)",
     )
-    create.add_argument("--priority", type=int, default=0, help="Queue tier: a higher number is served first, by the gateway's queue and by the replicas' engines")
-    create.add_argument("--max-priority", type=int, help="Highest tier a request may ask for (default --priority)")
+    create.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="Queue tier: a higher number is served first, by the gateway's queue and by the replicas' engines",
+    )
+    create.add_argument(
+        "--max-priority", type=int, help="Highest tier a request may ask for (default --priority)"
+    )
     create.add_argument("--rpm", type=int, help="Requests per minute")
     create.add_argument("--tpm", type=int, help="Tokens per minute (prompt + completion)")
     create.add_argument("--max-concurrent", type=int, help="Max requests in flight at once")
@@ -51,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     revoke.add_argument("key", help="The key's id or name")
     revoke.set_defaults(func=run_revoke)
 
-    hash_ = actions.add_parser("hash", help="Print the SHA-256 digest of a key, for admin_key_sha256 or inline keys")
+    hash_ = actions.add_parser(
+        "hash", help="Print the SHA-256 digest of a key, for admin_key_sha256 or inline keys"
+    )
     hash_.add_argument("key", nargs="?", help="The key; without it a new random key is generated and printed")
     hash_.set_defaults(func=run_hash)
 
@@ -65,11 +89,47 @@ def open_store(args: argparse.Namespace):
     if args.db:
         return KeyStore(Path(args.db))
     if args.config:
-        store = load_config(args.config).keys.store
+        config = load_config(args.config)
+        if config.state.backend == "shared":
+            return SharedKeysSession(config.state)
+        store = config.keys.store
         if store is None:
             raise EmberError(f"{args.config} has no keys.store; add one or pass --db")
         return KeyStore(store)
     raise EmberError("say which key store to use: --db FILE or --config fleet.yaml")
+
+
+class SharedKeysSession:
+    """The PostgreSQL key store (ember.gateway.shared.keys) behind the SQLite store's synchronous methods,
+    on one event loop for the command's life. Revoking also marks the key in Redis, as a gateway does."""
+
+    def __init__(self, state_config: StateConfig) -> None:
+        import asyncio
+
+        from ember.gateway.shared.connection import SharedState
+        from ember.gateway.shared.keys import SharedKeyStore
+
+        self._loop = asyncio.new_event_loop()
+        self._state = SharedState(state_config)
+        try:
+            self._loop.run_until_complete(self._state.open())  # SharedStateError (one line) when unreachable
+        except BaseException:
+            self._loop.close()
+            raise
+        self._store = SharedKeyStore(self._state)
+
+    def create(self, name: str, policy: KeyPolicy) -> tuple[str, StoredKey]:
+        return self._loop.run_until_complete(self._store.create(name, policy))
+
+    def list(self, include_revoked: bool = False) -> list[StoredKey]:
+        return self._loop.run_until_complete(self._store.list(include_revoked))
+
+    def revoke(self, id_or_name: str) -> StoredKey:
+        return self._loop.run_until_complete(self._store.revoke(id_or_name))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._state.close())
+        self._loop.close()
 
 
 def run_create(args: argparse.Namespace) -> int:

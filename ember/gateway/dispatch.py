@@ -155,7 +155,8 @@ class Dispatcher:
             admission = await self.limiter.admit(principal, estimate)
         except GatewayError as exc:
             key = self.metrics.key_label(principal)
-            self.metrics.rate_limited.labels(key, exc.type).inc()
+            if exc.status == 429:  # not a revoked key (401) or an unreachable shared state (503)
+                self.metrics.rate_limited.labels(key, exc.type).inc()
             self.metrics.count_request(model, key, "", str(exc.status))
             raise
         try:

@@ -54,6 +54,11 @@ class KeyStoreError(EmberError):
     """A key store operation failed (unknown key, duplicate name, unreadable database)."""
 
 
+def invalid_api_key() -> GatewayError:
+    """The 401 of an unknown or revoked key."""
+    return GatewayError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+
+
 def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
@@ -129,7 +134,14 @@ class KeyStore:
             with self._lock:
                 self._db.execute(
                     "INSERT INTO api_keys (id, name, sha256, display, policy, created_at) VALUES (?,?,?,?,?,?)",
-                    (record.id, name, hash_key(key), record.display, policy.model_dump_json(), record.created_at),
+                    (
+                        record.id,
+                        name,
+                        hash_key(key),
+                        record.display,
+                        policy.model_dump_json(),
+                        record.created_at,
+                    ),
                 )
         except sqlite3.IntegrityError:
             raise KeyStoreError(f"a live key named {name!r} already exists") from None
@@ -177,7 +189,9 @@ class KeyStore:
 
     def load_usage(self) -> dict[str, tuple[int, int, int]]:
         with self._lock:
-            rows = self._db.execute("SELECT key_id, requests, prompt_tokens, completion_tokens FROM key_usage")
+            rows = self._db.execute(
+                "SELECT key_id, requests, prompt_tokens, completion_tokens FROM key_usage"
+            )
             return {row[0]: (row[1], row[2], row[3]) for row in rows.fetchall()}
 
     def add_usage(self, deltas: dict[str, tuple[int, int, int]]) -> None:
@@ -218,11 +232,15 @@ class KeyRing:
     """Authenticates bearer tokens against inline keys and the key store, with an in-memory cache.
     `shared_keys` (ember.gateway.shared.keys.SharedKeyStore) holds PostgreSQL's live keys in memory."""
 
-    def __init__(self, config: GatewayConfig, store: KeyStore | None, shared_keys: SharedKeyLookup | None = None):
+    def __init__(
+        self, config: GatewayConfig, store: KeyStore | None, shared_keys: SharedKeyLookup | None = None
+    ):
         self.store = store
         self.shared_keys = shared_keys
         self._inline = {
-            key.sha256: Principal(f"inline:{key.name}", key.name, KeyPolicy(**key.model_dump(exclude={"name", "sha256"})))
+            key.sha256: Principal(
+                f"inline:{key.name}", key.name, KeyPolicy(**key.model_dump(exclude={"name", "sha256"}))
+            )
             for key in config.keys.inline
         }
         self._admin_digest = config.admin_key_sha256
@@ -246,7 +264,7 @@ class KeyRing:
         if principal is None and self.shared_keys is not None:
             principal = self.shared_keys.find(digest)
         if principal is None:
-            raise GatewayError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+            raise invalid_api_key()
         return principal
 
     def find(self, authorization: str | None) -> Principal | None:

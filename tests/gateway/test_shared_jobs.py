@@ -17,7 +17,7 @@ from protocols_support import KEY, ProtocolGateway, WebhookReceiver, auth, proto
 
 from ember.gateway.jobs.webhooks import verify
 
-JOBS = 30
+JOBS = 50  # the figure: queued and running when one gateway is killed
 CONCURRENCY = 4  # jobs each gateway runs at once
 
 

@@ -3,9 +3,24 @@ gateway would (same 429s and headers, same reservations and settlement)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
+import socket
+import threading
+import urllib.parse
 
+import pytest
+import redis
 from gateway_harness import gateway_config, http, model_config, wait_until
+from shared_stores import REDIS_URL
+
+from ember.gateway.config import KeyPolicy
+from ember.gateway.keys import Principal
+from ember.gateway.shared.config import StateConfig
+from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.ratelimit import SharedRateLimiter
+from ember.gateway.usage import UsageLedger
 
 
 def chat(gateway, key: str, max_tokens: int = 16):
@@ -99,3 +114,116 @@ def test_usage_endpoint_reports_reservations_held_on_the_other_gateway(shared_st
         ),
         what="the reservation settled",
     )
+
+
+def test_concurrent_admissions_batched_per_tick_still_take_each_token_once(
+    shared_state, replicas, start_gateway
+):
+    a, _ = replicas
+    first, second = two_gateways(start_gateway, a, shared_state, rpm=10)
+    # 40 requests at once across both gateways: many are admitted in the same event-loop tick, in one
+    # pipelined round trip to Redis, each script still atomic.
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        statuses = list(pool.map(lambda i: chat(first if i % 2 else second, "sk-k").status_code, range(40)))
+    assert sorted(statuses) == [200] * 10 + [429] * 30
+    assert len(a.requests) == 10
+
+
+def test_scripts_flushed_from_redis_are_loaded_again(shared_state, replicas, start_gateway):
+    a, _ = replicas
+    first, _ = two_gateways(start_gateway, a, shared_state, rpm=10)
+    assert chat(first, "sk-k").headers["x-ratelimit-remaining-requests"] == "9"
+    redis.Redis.from_url(REDIS_URL).script_flush()  # as after a Redis restart: EVALSHA answers NOSCRIPT
+    again = chat(first, "sk-k")
+    assert again.status_code == 200 and again.headers["x-ratelimit-remaining-requests"] == "8"
+
+
+class RedisRelay:
+    """A TCP relay in front of the test Redis that the test can cut, as a network failure would."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # cut
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(), which close() would not
+        self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_requests_needing_an_unreachable_redis_answer_503_and_pass_nothing(
+    shared_state, replicas, start_gateway
+):
+    a, _ = replicas
+    url = urllib.parse.urlsplit(REDIS_URL)
+    relay = RedisRelay((url.hostname, url.port or 6379))
+    state = {**shared_state, "redis": {**shared_state["redis"], "url": f"redis://127.0.0.1:{relay.port}/0"}}
+    first, _ = two_gateways(start_gateway, a, state, rpm=10)
+    assert chat(first, "sk-k").status_code == 200
+    relay.cut()
+    refused = chat(first, "sk-k")
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "state_unavailable")
+    assert "shared state (Redis) is unreachable" in error["message"]
+    assert len(a.requests) == 1  # not let through unlimited
+    assert first.metric("ember_gateway_rate_limited_total", key="k", limit="service_unavailable") == 0
+
+
+def test_an_admission_whose_caller_left_gives_its_slot_back_at_once(shared_state):
+    """A request cancelled (its client gone) while its admission script is on the way to Redis: the script
+    admits it all the same, so its concurrency slot must come back now, not when its lease lapses."""
+
+    async def scenario() -> dict[str, str]:
+        state = SharedState(StateConfig.model_validate(shared_state))
+        await state.open()
+        try:
+            limiter = SharedRateLimiter(state, UsageLedger(None))
+            principal = Principal("inline:k", "k", KeyPolicy(rpm=10, max_concurrent=1))
+            leaving = asyncio.create_task(limiter.admit(principal, 10))
+            await asyncio.sleep(0)  # queued in this tick's batch, waiting for its reply
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+            leases = f"{shared_state['redis']['key_prefix']}:limits:{{inline:k}}:leases"
+            for _ in range(500):
+                if await state.redis.zcard(leases) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            admitted = await limiter.admit(principal, 10)  # max_concurrent 1: only if the slot came back
+            limiter.settle(admitted, 10)
+            await limiter.drain()
+            return admitted.headers
+        finally:
+            await state.close()
+
+    headers = asyncio.run(scenario())
+    assert headers["x-ratelimit-remaining-requests"] == "8"  # the abandoned admission took one request

@@ -2,8 +2,9 @@
 
 The proxy path never waits on PostgreSQL: each gateway holds every live key in memory (digest ->
 principal) and reloads them when another gateway creates or revokes one (LISTEN/NOTIFY on
-`<schema>_keys`, milliseconds) and every `KEYS_RELOAD_S` in any case, which bounds how long a revocation
-can go unseen if notifications are lost (e.g. while the listening connection reconnects).
+`<schema>_keys`, milliseconds) and every `KEYS_RELOAD_S` in any case. A revocation is also marked in
+Redis, where every gateway's admission checks it (ember.gateway.shared.ratelimit), so the other gateways
+refuse the key from their very next request, before they reload.
 
 Usage is written as additive deltas (`add_usage`), so each gateway's requests are counted once
 however many gateways flush at the same time.
@@ -18,11 +19,13 @@ import time
 import uuid
 
 import asyncpg
+import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from ember.gateway.config import KeyPolicy, validation_message
 from ember.gateway.keys import DISPLAY_CHARS, KeyStoreError, Principal, StoredKey, generate_key, hash_key
 from ember.gateway.shared.connection import SharedState
+from ember.gateway.shared.ratelimit import REVOKED_MARKER_S, limits_key
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,11 @@ class SharedKeyStore:
             if status == "UPDATE 0":
                 raise KeyStoreError(f"key {record.name!r} ({record.id}) is already revoked")
             await connection.execute("SELECT pg_notify($1, 'revoked')", self.channel)
+        marker = limits_key(self.state.key_prefix, record.id, "revoked")
+        try:  # every gateway's next admission refuses it, before any has reloaded its keys
+            await self.state.redis.set(marker, "1", ex=REVOKED_MARKER_S)
+        except aioredis.RedisError as exc:  # revoked all the same: the gateways see it at their reload
+            logger.warning("could not mark key %s revoked in Redis: %s", record.id, exc)
         await self.reload()
         return StoredKey(record.id, record.name, record.display, record.policy, record.created_at, revoked_at)
 

@@ -8,6 +8,14 @@ Per key (the `{key_id}` hash tag keeps one key's state in one Redis Cluster slot
     <prefix>:limits:{<key_id>}:tokens     hash {level, updated_ms}   TPM bucket
     <prefix>:limits:{<key_id>}:leases     zset admission id -> lease expiry (ms)   concurrency slots
     <prefix>:limits:{<key_id>}:reserved   hash admission id -> estimated tokens    budget reservations
+    <prefix>:limits:{<key_id>}:revoked    string, set by a revocation               refused at admission
+
+A revoked key is refused by every gateway's next admission (the revoking gateway writes the marker after
+the PostgreSQL commit), not only once each gateway has reloaded its keys (NOTIFY, milliseconds, or the
+1 s reload); the marker outlives any reload by far and then expires.
+
+Admissions and settlements made in one event-loop tick go to Redis as one pipelined round trip
+(ember.gateway.shared.script_batch); each script still runs atomically on its own.
 
 Clocks come from Redis (TIME), never from a gateway. A bucket's hash expires once it would be full
 again, so an idle key costs nothing. A gateway that dies with requests in flight cannot settle them:
@@ -24,7 +32,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from ember.gateway.keys import Principal
+from ember.gateway.keys import Principal, invalid_api_key
 from ember.gateway.ratelimit import (
     BucketState,
     check_budget,
@@ -34,6 +42,7 @@ from ember.gateway.ratelimit import (
     too_large_error,
 )
 from ember.gateway.shared.connection import SharedState, state_unavailable
+from ember.gateway.shared.script_batch import ScriptBatcher
 from ember.gateway.usage import UsageLedger
 
 logger = logging.getLogger(__name__)
@@ -57,13 +66,14 @@ local function clock()
 end
 """
 
-# KEYS: requests bucket, tokens bucket, leases, reserved.
+# KEYS: requests bucket, tokens bucket, leases, reserved, revoked marker.
 # ARGV: rpm, tpm, estimate, max_concurrent, budget (-1: none), used tokens, admission id, lease ms.
 # Returns {verdict, requests level, tokens level, reserved, wait ms for requests, wait ms for tokens}; levels
 # as strings ('' without that limit) since Lua numbers reach Redis replies truncated to integers.
 _ADMIT = (
     _REFILL
     + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return {'revoked', '', '', 0, '0', '0'} end
 local rpm, tpm, estimate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_concurrent, budget, used = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = clock()
@@ -126,6 +136,15 @@ return total
 """
 
 
+# A revocation's mark outlives every gateway's key reload (KEYS_RELOAD_S) by far, PostgreSQL outages included.
+REVOKED_MARKER_S = 3600
+
+
+def limits_key(prefix: str, key_id: str, part: str) -> str:
+    """The Redis key of one part of an API key's limit state."""
+    return f"{prefix}:limits:{{{key_id}}}:{part}"
+
+
 @dataclass(slots=True)
 class SharedAdmission:
     """One admitted request's claim in Redis; `settle` it exactly once."""
@@ -145,10 +164,11 @@ class SharedRateLimiter:
         self._admit = self.redis.register_script(_ADMIT)
         self._settle = self.redis.register_script(_SETTLE)
         self._reserved = self.redis.register_script(_RESERVED)
-        self._settling: set[asyncio.Task] = set()
+        self._batch = ScriptBatcher(self.redis)  # admissions and settlements: one round trip per tick
+        self._settling: set[asyncio.Future] = set()
 
     def _key(self, key_id: str, part: str) -> str:
-        return f"{self.prefix}:limits:{{{key_id}}}:{part}"
+        return limits_key(self.prefix, key_id, part)
 
     async def reserved_tokens(self, key_id: str) -> int:
         try:
@@ -164,22 +184,32 @@ class SharedRateLimiter:
         admission_id = uuid.uuid4().hex
         budget = -1 if policy.token_budget is None else policy.token_budget
         used = self.usage.total_tokens(key_id)  # read once: the script and the refusal must agree
+        reply = self._batch.run(
+            self._admit,
+            [self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved", "revoked")],
+            [
+                policy.rpm or 0,
+                policy.tpm or 0,
+                estimated_tokens,
+                policy.max_concurrent or 0,
+                budget,
+                used,
+                admission_id,
+                self.lease_ms,
+            ],
+        )
         try:
-            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await self._admit(
-                keys=[self._key(key_id, part) for part in ("requests", "tokens", "leases", "reserved")],
-                args=[
-                    policy.rpm or 0,
-                    policy.tpm or 0,
-                    estimated_tokens,
-                    policy.max_concurrent or 0,
-                    budget,
-                    used,
-                    admission_id,
-                    self.lease_ms,
-                ],
-            )
+            verdict, requests, tokens, reserved, request_wait_ms, token_wait_ms = await asyncio.shield(reply)
         except aioredis.RedisError as exc:
             raise state_unavailable("Redis", exc) from None
+        except asyncio.CancelledError:
+            # The caller left (its client disconnected) while the script was on its way: if it admitted
+            # the request, give the slot and reservation back now rather than after the lease.
+            abandoned = SharedAdmission(principal, admission_id, estimated_tokens, {})
+            reply.add_done_callback(lambda done: self._release_abandoned(done, abandoned))
+            raise
+        if verdict == "revoked":
+            raise invalid_api_key()
         headers = limit_headers(_bucket(policy.rpm, requests), _bucket(policy.tpm, tokens))
         if verdict == "budget":
             check_budget(principal, used, int(reserved), estimated_tokens)  # raises: same figures
@@ -191,25 +221,32 @@ class SharedRateLimiter:
             raise rate_error(principal, float(request_wait_ms) / 1000, float(token_wait_ms) / 1000, headers)
         return SharedAdmission(principal, admission_id, estimated_tokens, headers)
 
-    def settle(self, admission: SharedAdmission, used_tokens: int | None) -> None:
-        """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. It
-        runs as a task because requests finish in synchronous callbacks; `drain` waits for them."""
-        task = asyncio.get_running_loop().create_task(self._settle_now(admission, used_tokens))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+    def _release_abandoned(self, reply: asyncio.Future, admission: SharedAdmission) -> None:
+        if not reply.cancelled() and reply.exception() is None and reply.result()[0] == "ok":
+            self.settle(admission, None)  # as a request that ended without usage: its TPM charge stays
 
-    async def _settle_now(self, admission: SharedAdmission, used_tokens: int | None) -> None:
+    def settle(self, admission: SharedAdmission, used_tokens: int | None) -> None:
+        """Release the slot and reservation and correct the TPM charge, as the embedded limiter does. Sent
+        with this tick's batch, since requests finish in synchronous callbacks; `drain` waits for it."""
         key_id = admission.principal.key_id
         correction = "" if used_tokens is None else used_tokens - admission.estimated_tokens
-        try:
-            await self._settle(
-                keys=[self._key(key_id, part) for part in ("tokens", "leases", "reserved")],
-                args=[admission.admission_id, admission.principal.policy.tpm or 0, correction],
-            )
-        except aioredis.RedisError as exc:
+        settled = self._batch.run(
+            self._settle,
+            [self._key(key_id, part) for part in ("tokens", "leases", "reserved")],
+            [admission.admission_id, admission.principal.policy.tpm or 0, correction],
+        )
+        self._settling.add(settled)
+        settled.add_done_callback(lambda done: self._settled(done, admission))
+
+    def _settled(self, done: asyncio.Future, admission: SharedAdmission) -> None:
+        self._settling.discard(done)
+        if not done.cancelled() and done.exception() is not None:
             # The lease expires instead: the slot and reservation come back after state.redis.lease_s.
             logger.warning(
-                "could not settle admission %s of key %s in Redis: %s", admission.admission_id, key_id, exc
+                "could not settle admission %s of key %s in Redis: %s",
+                admission.admission_id,
+                admission.principal.key_id,
+                done.exception(),
             )
 
     async def drain(self) -> None:
