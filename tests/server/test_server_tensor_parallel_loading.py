@@ -88,6 +88,15 @@ def data_bytes(pid: int) -> int:
     )
 
 
+def is_python(pid: int) -> bool:
+    """The server and its workers, not the C compiler a first start runs to build the kernels (it is the
+    server's child on one rank and a worker's on two, so counting it would skew one side only)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().startswith("python")
+    except FileNotFoundError:
+        return False
+
+
 def children(pid: int | str) -> list[int]:
     try:
         return [
@@ -116,7 +125,8 @@ class PeakData:
     def _sample(self) -> None:
         while not self._done.wait(0.002):
             for server in children("self"):
-                self.peak = max(self.peak, data_bytes(server), *(data_bytes(pid) for pid in children(server)))
+                processes = [pid for pid in [server, *children(server)] if is_python(pid)]
+                self.peak = max([self.peak, *(data_bytes(pid) for pid in processes)])
 
     def __exit__(self, *exc_info: object) -> None:
         self._done.set()
