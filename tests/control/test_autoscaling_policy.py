@@ -133,32 +133,6 @@ def test_with_a_profile_one_replica_fewer_must_keep_the_itl_objective_by_the_ste
     assert held == Decision(2, "hold", "1 would be at 0.87x objective, 27% slots, 0% KV")
 
 
-def test_with_a_profile_a_panic_is_sized_by_throughput_not_by_the_latency_ratio():
-    # TTFT at 3x on 2 ready: the ratio alone asks for 6. By the profile (20 ms steps + 2 ms per further
-    # sequence, 8 slots), 10 in flight at a batch of 5 (28 ms steps) are 12.1 at full batch (34 ms),
-    # which 2 replicas hold within 80% of their 16 slots: the panic adds the one replica it must.
-    breach = observe(0, 2, in_flight=10, stable=0.5, panic=3.0)
-    assert policy().decide(breach) == Decision(6, "panic", "ttft at 3.00x on 2 ready")
-    assert profiled(0.020, 0.002).decide(breach) == Decision(3, "panic", "ttft at 3.00x on 2 ready; 2 by the profile")
-    # A queue as long as every ready slot: 16 in flight at full batch plus 24 queued fill 40 slots,
-    # 7 replicas at 80% (5 by slots alone, without the headroom).
-    queue = observe(0, 2, in_flight=16, queued=24, stable=0.5, panic=0.5)
-    assert policy().decide(queue).desired == 5
-    assert profiled(0.020, 0.002).decide(queue) == Decision(7, "panic", "24 queued on 2 ready; 7 by the profile")
-
-
-def test_with_a_profile_a_queue_wait_panic_does_not_jump_past_the_need():
-    # The rising diurnal load: an old queue's wait at 10x its objective on 4 ready replicas asks the
-    # ratio rule for 40. The load (32 in flight at full batch, 4 queued) needs 6 by the profile.
-    waited = WindowLatency(ttft_p90_s=0.9, itl_p90_s=0.05, queue_wait_p90_s=5.0)
-    obs = Observation(
-        now=0, ready=4, loading=0, queued=4, in_flight=32, requests_total=0, capacity_per_replica=8,
-        stable=waited, panic=waited,
-    )  # fmt: skip
-    assert policy().decide(obs) == Decision(8, "panic", "queue_wait at 10.00x on 4 ready; wanted 40, capped at max_replicas")
-    assert profiled(0.020, 0.002).decide(obs) == Decision(6, "panic", "queue_wait at 10.00x on 4 ready; 6 by the profile")
-
-
 def test_scale_to_zero_after_idle_and_any_request_restarts_the_idle_clock():
     scaler = policy(min_replicas=0)
     scaler.decide(observe(0, 1, requests_total=5))

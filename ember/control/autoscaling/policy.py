@@ -12,11 +12,7 @@ decisions. The rules, in order:
 4. SLO breach: a p90 above its objective in the stable window, still above it in the panic window
    (so the stale tail of a breach that new replicas already fixed does not add more), lasting
    `scale_up_delay_s`; or requests waiting at the gateway for a free slot.
-   Up-sizing is proportional: ready replicas x the (current) observed/objective ratio. With the
-   replicas' profile, a panic is sized by throughput instead: enough replicas to serve the requests
-   in flight at full batch plus the queue within SCALE_DOWN_HEADROOM of their slots, as the N-1
-   check of rule 5 counts them. A ratio from queue wait grows with the queue's age, not with the
-   missing capacity, so the proportional rule overshoots on a rising load.
+   Up-sizing is proportional: ready replicas x the (current) observed/objective ratio.
 5. scale down, one replica at a time, only when one replica fewer would still meet every objective
    at the current load (p90s scaled by N/(N-1) stay under SCALE_DOWN_HEADROOM of the objective,
    and the in-flight requests and KV cache fit), continuously for `scale_down_delay_s`. This is
@@ -150,14 +146,9 @@ class AutoscalingPolicy:
         if panic_ratio >= PANIC_RATIO or queue_overflows:
             self._panic_until = obs.now + config.stable_window_s
             self._scale_down_ok_since = None
-            if self.profile is None:
-                sized, by = _replicas_for(obs.ready, panic_ratio), ""
-            else:
-                sized = _profiled_replicas(obs, self.profile)
-                by = f"; {sized} by the profile"
-            target = max(sized, slots_needed, obs.ready + 1)
+            target = max(_replicas_for(obs.ready, panic_ratio), slots_needed, obs.ready + 1)
             why = f"{panic_worst} at {panic_ratio:.2f}x" if panic_ratio >= PANIC_RATIO else f"{obs.queued} queued"
-            return Decision(max(current, target), "panic", f"{why} on {obs.ready} ready{by}")
+            return Decision(max(current, target), "panic", f"{why} on {obs.ready} ready")
 
         stable_ratio, stable_worst = self._worst_ratio(obs.stable)  # scale down weighs it even when stale
         breach_ratio = min(stable_ratio, panic_ratio)
@@ -214,7 +205,8 @@ class AutoscalingPolicy:
         if self.profile is None or not obs.in_flight or not obs.ready:
             return 0.0, 0.0
         profile = self.profile
-        in_flight_at_full_batch = _in_flight_at_full_batch(obs, profile)
+        step_now_s = profile.step_s(max(1, round(obs.in_flight / obs.ready)))
+        in_flight_at_full_batch = obs.in_flight * profile.step_s(profile.max_batch) / step_now_s
         batch = min(profile.max_batch, math.ceil(in_flight_at_full_batch / replicas))
         share = in_flight_at_full_batch / (replicas * profile.max_batch)
         return share, profile.step_s(batch) * 1000 / self.config.itl_p90_ms
@@ -236,18 +228,3 @@ def _replicas_for(ready: int, ratio: float) -> int:
     """Replicas that bring `ratio` x objective on `ready` replicas down to the objective (linear model);
     a ratio a rounding error above a whole number does not cost a replica more."""
     return math.ceil(ready * ratio - 1e-9)
-
-
-def _profiled_replicas(obs: Observation, profile: ReplicaProfile) -> int:
-    """Replicas whose slots at full batch, used to SCALE_DOWN_HEADROOM, hold the current load (its
-    requests in flight, counted as the N-1 check counts them, plus the queue): as many as that check
-    would keep, so a panic neither falls short nor jumps past the need. Some replica must be ready."""
-    load = _in_flight_at_full_batch(obs, profile) + obs.queued
-    return math.ceil(load / (profile.max_batch * SCALE_DOWN_HEADROOM) - 1e-9)
-
-
-def _in_flight_at_full_batch(obs: Observation, profile: ReplicaProfile) -> float:
-    """The requests in flight, counted at the full batch's step time: what the current completion rate
-    keeps in flight once batches are full (Little's law)."""
-    step_now_s = profile.step_s(max(1, round(obs.in_flight / obs.ready)))
-    return obs.in_flight * profile.step_s(profile.max_batch) / step_now_s
