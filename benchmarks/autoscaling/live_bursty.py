@@ -4,7 +4,10 @@
     flock /work/notes/bench.lock env PYTHONPATH=$PWD python benchmarks/autoscaling/live_bursty.py \
         --out benchmarks/results/2026-12-04-autoscaling-live
 
-The model is the tests' tiny random-weight Llama (SmolLM2's tokenizer), one thread per replica. The
+The model is the tests' tiny random-weight Llama (SmolLM2's tokenizer) unless `--model` names another
+(a folder or a GGUF file, e.g. SmolLM2-135M-Instruct Q4_1 with `--dtype bfloat16`), one thread per
+replica. With `--profile` (an `ember profile` file of that model on this machine), the autoscaled fleet's
+policy also checks each scale down against the profile's throughput and step-time model. The
 trace comes from the simulator's Poisson generator (`poisson_arrivals`): `--base-rate` requests/s, and
 `--burst-rate` for `--burst-s` in the middle of every `--period-s`. Requests go out through the
 project's bench client (`ember.bench.runner`, streamed chat completions, EOS ignored) at their trace
@@ -47,8 +50,6 @@ KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
 CAPACITY = 4  # concurrent requests the gateway sends one replica, in both fleets
 SERVE_ARGS = [
-    "--dtype",
-    "float32",
     "--kv-cache-memory",
     "0.05",
     "--max-model-len",
@@ -75,6 +76,10 @@ def metric(text: str, name: str, **labels: str) -> float:
     )
 
 
+def serve_args(args: argparse.Namespace) -> list[str]:
+    return ["--dtype", args.dtype, *SERVE_ARGS]
+
+
 def fleet_config(
     args: argparse.Namespace, model_dir: Path, autoscaled: bool, gateway_port: int, control_port: int
 ) -> dict:
@@ -86,14 +91,17 @@ def fleet_config(
             "scale_down_delay_s": args.scale_down_delay_s, "scale_to_zero_after_s": args.scale_to_zero_after_s,
             "stable_window_s": args.stable_window_s, "panic_window_s": 2, "hold_limit": 256,
         }  # fmt: skip
-        launch["autoscaled"] = {"tiny": {"model": str(model_dir), "capacity": CAPACITY, "args": SERVE_ARGS}}
+        autoscaled_model = {"model": str(model_dir), "capacity": CAPACITY, "args": serve_args(args)}
+        if args.profile is not None:
+            autoscaled_model["profile"] = str(args.profile.resolve())
+        launch["autoscaled"] = {"tiny": autoscaled_model}
         launch["autoscaler"] = {"interval_s": 1.0, "port": control_port}
     else:
         ports = [free_port(), free_port()]
         model["deployments"][0]["replicas"] = [
             {"url": f"http://127.0.0.1:{port}", "capacity": CAPACITY} for port in ports
         ]
-        launch["replicas"] = [{"port": port, "model": str(model_dir), "args": SERVE_ARGS} for port in ports]
+        launch["replicas"] = [{"port": port, "model": str(model_dir), "args": serve_args(args)} for port in ports]
     return {
         "models": {"tiny": model},
         "keys": {"inline": [{"name": "bench", "sha256": KEY_SHA256}]},
@@ -293,7 +301,19 @@ def main() -> int:
         "--out", type=Path, required=True, help="Folder for the JSON result and the fleets' logs"
     )
     parser.add_argument(
-        "--model-dir", type=Path, default=None, help="A tiny model folder (default: built here)"
+        "--model",
+        type=Path,
+        default=None,
+        help="The replicas' model, a folder or a GGUF file (default: the tests' tiny model, built here)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="The replicas' --dtype (default float32, as the tiny model's)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="An `ember profile` file of the model on this machine, for the autoscaled fleet's policy",
     )
     parser.add_argument("--duration-s", type=float, default=600.0, help="Trace length (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the trace (default 0)")
@@ -320,7 +340,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ember-live-bursty-") as tmp:
         workdir = Path(tmp)
-        model_dir = args.model_dir or build_tiny_model_dir(workdir / "tiny-model")
+        model_dir = args.model or build_tiny_model_dir(workdir / "tiny-model")
         reports = []
         for autoscaled in (False, True):
             if args.only in (None, "autoscaled" if autoscaled else "static"):

@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", help="weights dtype, as ember serve --dtype (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output the profile measures (default: the model's, capped)")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads, as ember serve --num-threads "
+                        "(default: one per core); profile with the replicas' own count")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -45,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.decode_tokens < 2:
         raise EmberError("--decode-tokens must be at least 2 (a step time needs two tokens)")
-    engine_args = {"max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory}
+    engine_args = {
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+        "num_threads": args.num_threads,
+    }
     profile = profile_model(
         args.model, args.prompt_lengths, args.batch_sizes, args.decode_tokens, args.cost_per_replica_hour,
         dtype=args.dtype, **{key: value for key, value in engine_args.items() if value is not None},

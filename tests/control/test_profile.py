@@ -21,7 +21,7 @@ def test_profile_measures_the_tiny_model_and_the_simulator_reads_it(tiny_model_d
     profiled = ember(
         "profile", "--model", str(tiny_model_dir), "-o", "tiny.json", "--prompt-lengths", "8,32",
         "--batch-sizes", "1,2", "--decode-tokens", "4", "--dtype", "float32", "--max-model-len", "128",
-        "--kv-cache-memory", "0.02", "--cost-per-replica-hour", "1.5", cwd=tmp_path,
+        "--kv-cache-memory", "0.02", "--num-threads", "1", "--cost-per-replica-hour", "1.5", cwd=tmp_path,
     )  # fmt: skip
     assert profiled.returncode == 0, profiled.stderr
     assert profiled.stdout.splitlines()[-1] == "wrote tiny.json"
