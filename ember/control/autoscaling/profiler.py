@@ -36,7 +36,8 @@ def profile_model(
     from ember.engine.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max(batch_sizes), **engine_args)
+    # No prefix cache: each measurement repeats its warm-up's prompts, which a cache would answer.
+    llm = LLM(model=model, max_num_seqs=max(batch_sizes), enable_prefix_caching=False, **engine_args)
     cold_start_s = time.perf_counter() - started
     vocabulary = llm.engine.model_config.vocab_size
 
