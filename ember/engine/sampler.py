@@ -34,7 +34,8 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[list[SampledToken]]:
-        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed); sequence i
+        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed); the grammar
+        rows' disallowed tokens are set to -inf in it, in place unless logprobs are asked for; sequence i
         owns 1 + len(metadata.drafts[i]) consecutive rows from metadata.starts[i]: the logits after its last
         token, then after each of its draft tokens.
 
@@ -110,8 +111,8 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """-inf for the tokens each grammar row's matcher does not allow; other rows untouched. In place
-        (logits are the step's own, read by nothing after the sampler) unless logprobs need the raw ones:
-        a copy of the whole batch's logits costs about as much as masking them."""
+        (the runner's logits are the step's own, read by nothing after the sampler) unless logprobs need the
+        raw ones: a copy of the batch's logits each step costs more than masking them."""
         if metadata.grammar_rows is None:
             return logits
         if any(count is not None for count in metadata.logprobs):
