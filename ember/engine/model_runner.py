@@ -21,7 +21,7 @@ from ember.engine.resources import GiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
-from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
+from ember.engine.structured_output.grammar import GrammarMatcher, allocate_bitmask, fill_bitmasks
 from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import pack_gemm_weights, pack_linear_weights
@@ -130,9 +130,14 @@ class ModelRunner:
                 prompt_rows.extend(range(first_row, first_row + scored))
                 prompt_targets += seq.token_ids[start + 1 : start + 1 + scored]
                 prompt_counts.append((i, scored))
-        # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs.
-        bitmask = (self.mask_thread.submit(fill_bitmasks, grammar_rows, len(sample_rows), self.config.vocab_size)
-                   if grammar_rows else None)
+        # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs. The bitmask
+        # is allocated here: a torch op on the mask thread would give it an OpenMP thread pool of its own, and
+        # with more OpenMP threads than cores libgomp stops spinning at barriers, so every later forward
+        # (constrained or not) waits on futex wake-ups: ~30% slower steps (docs/benchmarks.md).
+        bitmask = None
+        if grammar_rows:
+            empty = allocate_bitmask(len(sample_rows), self.config.vocab_size)
+            bitmask = self.mask_thread.submit(fill_bitmasks, empty, grammar_rows)
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
                           len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order

@@ -53,12 +53,16 @@ class GrammarMatcher:
         return self._matcher.is_terminated()
 
 
-def fill_bitmasks(rows: list[tuple[int, GrammarMatcher]], num_rows: int, vocab_size: int) -> torch.Tensor:
-    """The step's allowed-token bitmask: [num_rows, ceil(vocab/32)] int32, every token allowed in rows
-    without a matcher, each (row, matcher)'s row filled by its matcher."""
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A step's allowed-token bitmask, [num_rows, ceil(vocab/32)] int32, every token allowed."""
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
+    return xgrammar.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def fill_bitmasks(bitmask: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) -> torch.Tensor:
+    """Fill each (row, matcher)'s row of bitmask (from allocate_bitmask) by its matcher; rows without a
+    matcher keep every token allowed. Runs no torch op: it is called on the mask thread (model_runner.py)."""
     for row, matcher in rows:
         matcher.fill_bitmask(bitmask, row)
     return bitmask
