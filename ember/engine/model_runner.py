@@ -22,7 +22,7 @@ from ember.engine.resources import GiB, MiB, num_kv_blocks, resolve_device
 from ember.engine.sampler import SampledToken, Sampler
 from ember.engine.sampling_metadata import SamplingMetadata
 from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
-from ember.engine.structured_output.grammar import GrammarMatcher, fill_bitmasks
+from ember.engine.structured_output.grammar import GrammarMatcher, allocate_bitmask, fill_bitmasks
 from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import (
@@ -153,14 +153,14 @@ class ModelRunner:
                 prompt_rows.extend(range(first_row, first_row + scored))
                 prompt_targets += seq.token_ids[start + 1 : start + 1 + scored]
                 prompt_counts.append((i, scored))
-        # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs.
-        bitmask = (
-            self.mask_thread.submit(
-                _fill_grammar_masks, grammar_rows, drafted_grammars, len(sample_rows), self.config.vocab_size
-            )
-            if masked_rows
-            else None
-        )
+        # The matchers fill the grammar rows' bitmask on the mask thread while the forward runs. The bitmask
+        # is allocated here: a torch op on the mask thread would give it an OpenMP thread pool of its own, and
+        # with more OpenMP threads than cores libgomp stops spinning at barriers, so every later forward
+        # (constrained or not) waits on futex wake-ups: ~30% slower steps (docs/benchmarks.md).
+        bitmask = None
+        if masked_rows:
+            empty = allocate_bitmask(len(sample_rows), self.config.vocab_size)
+            bitmask = self.mask_thread.submit(_fill_grammar_masks, empty, grammar_rows, drafted_grammars)
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
                           len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order
@@ -216,15 +216,14 @@ class ModelRunner:
 
 
 def _fill_grammar_masks(
+    bitmask: torch.Tensor,
     rows: list[tuple[int, GrammarMatcher]],
     drafted: list[tuple[int, GrammarMatcher, list[int]]],
-    num_rows: int,
-    vocab_size: int,
 ) -> torch.Tensor:
     """The step's allowed-token bitmask: one row per grammar sequence without drafts, and for one with drafts
     a row per position, each under the grammar advanced through the drafts before it (so a draft token the
     grammar refuses is rejected at its row, and the token drawn there follows the grammar)."""
-    bitmask = fill_bitmasks(rows, num_rows, vocab_size)
+    fill_bitmasks(bitmask, rows)
     for row, matcher, draft in drafted:
         matcher.fill_bitmask_through(bitmask, row, draft)
     return bitmask

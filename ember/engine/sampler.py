@@ -34,7 +34,8 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[list[SampledToken]]:
-        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed); sequence i
+        """logits: [R, V], float32 or the model dtype (upcast here unless only argmaxes are needed); the grammar
+        rows' disallowed tokens are set to -inf in it, in place unless logprobs are asked for; sequence i
         owns 1 + len(metadata.drafts[i]) consecutive rows from metadata.starts[i]: the logits after its last
         token, then after each of its draft tokens.
 
@@ -45,32 +46,39 @@ class Sampler:
         proposal). Rows with drafts must not have penalties or pending min_tokens: those depend on the
         tokens before each row, which the engine leaves to draft-free decoding."""
         drafts, starts = metadata.drafts, metadata.starts
+        raw = logits
+        # Masked before the upcast: one pass over the model dtype's logits (-inf stays -inf in float32).
+        logits = self._apply_grammar(logits, metadata)
         if logits.dtype != torch.float32 and metadata.needs_float32:
             logits = logits.float()
-        raw = logits
-        logits = self._apply_grammar(logits, metadata)
         logits = self._apply_min_tokens(logits, metadata)
         logits = self._apply_penalties(logits, metadata)
         if logits.dtype == torch.bfloat16 and self.native is not None and logits.is_contiguous():
             ids = self.native.argmax(logits).tolist()
         else:
             ids = _argmax(logits).tolist()
-        accepted = [_matching_prefix(draft, ids, start) if draft and greedy else 0
-                    for draft, start, greedy in zip(drafts, starts, metadata.greedy, strict=True)]
+        accepted = [
+            _matching_prefix(draft, ids, start) if draft and greedy else 0
+            for draft, start, greedy in zip(drafts, starts, metadata.greedy, strict=True)
+        ]
         random_seqs = [i for i, greedy in enumerate(metadata.greedy) if not greedy]
         if random_seqs:
             self._sample(logits, metadata, random_seqs, accepted, ids)
         out = []
         for draft, start, count in zip(drafts, starts, accepted, strict=True):
-            out.append([SampledToken(token_id, None, None, None) for token_id in draft[:count]]
-                       + [SampledToken(ids[start + count], None, None, None)])
+            out.append(
+                [SampledToken(token_id, None, None, None) for token_id in draft[:count]]
+                + [SampledToken(ids[start + count], None, None, None)]
+            )
         # The log-normalizer over the whole vocabulary is the sampler's dearest step: only for rows that ask.
         wanting = [i for i, count in enumerate(metadata.logprobs) if count is not None]
         if wanting:
             rows = [starts[i] + j for i in wanting for j in range(len(out[i]))]
             chosen = [token.token_id for i in wanting for token in out[i]]
             wanted = [metadata.logprobs[i] for i in wanting for _ in out[i]]
-            with_logprobs = iter(self._logprobs(raw[rows], torch.tensor(chosen, device=self.device), wanted))
+            with_logprobs = iter(
+                self._logprobs(raw[rows].float(), torch.tensor(chosen, device=self.device), wanted)
+            )
             for i in wanting:
                 out[i] = [next(with_logprobs) for _ in out[i]]
         return out
@@ -92,18 +100,24 @@ class Sampler:
             values, indices = raw.topk(k, dim=-1)
             values_list = (values - log_norm[:, None]).tolist()
             indices_list = indices.tolist()
-            top = [list(zip(indices_list[i][:count], values_list[i][:count], strict=True))
-                   for i, count in enumerate(wanted)]
-        return [SampledToken(token_id, logprob, rank, row_top) for token_id, logprob, rank, row_top
-                in zip(token_ids.tolist(), logprobs, ranks, top, strict=True)]
+            top = [
+                list(zip(indices_list[i][:count], values_list[i][:count], strict=True))
+                for i, count in enumerate(wanted)
+            ]
+        return [
+            SampledToken(token_id, logprob, rank, row_top)
+            for token_id, logprob, rank, row_top in zip(token_ids.tolist(), logprobs, ranks, top, strict=True)
+        ]
 
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """-inf for the tokens each grammar row's matcher does not allow; other rows untouched."""
+    def _apply_grammar(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """-inf for the tokens each grammar row's matcher does not allow; other rows untouched. In place
+        (the runner's logits are the step's own, read by nothing after the sampler) unless logprobs need the
+        raw ones: a copy of the batch's logits each step costs more than masking them."""
         if metadata.grammar_rows is None:
             return logits
-        logits = logits.clone()  # logprobs read the raw logits
-        apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+        if any(count is not None for count in metadata.logprobs):
+            logits = logits.clone()
+        apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows, self.native)
         return logits
 
     @staticmethod
@@ -145,8 +159,14 @@ class Sampler:
             logits[additive.rows] -= frequency * counts + presence * (counts > 0).float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata, random_seqs: list[int],
-                accepted: list[int], ids: list[int]) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        random_seqs: list[int],
+        accepted: list[int],
+        ids: list[int],
+    ) -> None:
         """For the sequences with a temperature: set accepted[i] and ids[starts[i] + accepted[i]], the token
         drawn after the accepted drafts."""
         drafts, starts = metadata.drafts, metadata.starts
@@ -169,7 +189,9 @@ class Sampler:
                     count += 1
                 accepted[i] = count
         final = probs[[first[k] + accepted[i] for k, i in enumerate(random_seqs)]]
-        rejected = [(k, drafts[i][accepted[i]]) for k, i in enumerate(random_seqs) if accepted[i] < len(drafts[i])]
+        rejected = [
+            (k, drafts[i][accepted[i]]) for k, i in enumerate(random_seqs) if accepted[i] < len(drafts[i])
+        ]
         if rejected:
             # After a rejected draft token, draw from the residual max(p - q, 0) with q the one-token
             # proposal: p without the draft token (renormalizing is unnecessary for the race below).
@@ -209,7 +231,9 @@ class Sampler:
             if generator is None:
                 unseeded.append(row)
             else:
-                noise[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(generator=generator)
+                noise[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(
+                    generator=generator
+                )
         if unseeded:
             if len(unseeded) == len(generators):
                 noise.exponential_(generator=self.generator)

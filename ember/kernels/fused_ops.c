@@ -140,3 +140,22 @@ void argmax_bf16_rows(const uint16_t *x, int64_t *out, int64_t rows, int64_t wid
         out[row] = index;
     }
 }
+
+// Grammar masks: each listed row of bfloat16 logits [*, width] gets -inf (0xFF80) wherever its row of the
+// int32 bitmask [*, words] has a 0 bit (token t is bit t % 32 of word t / 32, xgrammar's layout). One word
+// masks exactly one vector of 32 bfloat16 values, so a row is one masked store per word, no load: memory
+// speed, where xgrammar's own CPU kernel goes token by token.
+void apply_token_bitmask_bf16_rows(uint16_t *logits, const int32_t *bitmask, const int64_t *rows,
+                                   int64_t num_rows, int64_t width, int64_t words, int num_threads) {
+    const __m512i neg_inf = _mm512_set1_epi16((short)0xFF80);
+#pragma omp parallel for num_threads(num_threads) if (num_rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t k = 0; k < num_rows; k++) {
+        uint16_t *values = logits + rows[k] * width;
+        const uint32_t *allowed = (const uint32_t *)bitmask + rows[k] * words;
+        const int64_t whole = width / 32 < words ? width / 32 : words;
+        for (int64_t word = 0; word < whole; word++)
+            _mm512_mask_storeu_epi16(values + word * 32, (__mmask32)~allowed[word], neg_inf);
+        for (int64_t i = whole * 32; i < width && i / 32 < words; i++)
+            if (!((allowed[i / 32] >> (i % 32)) & 1)) values[i] = 0xFF80;
+    }
+}

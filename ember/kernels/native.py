@@ -90,6 +90,9 @@ class NativeKernels:
     def _bind_bfloat16_only(self, fused: ctypes.CDLL, shape: tuple[tuple[str, int], ...], level: str,
                             gemm: str) -> None:
         self._argmax = _bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
+        self._apply_token_bitmask = _bind(
+            fused, "apply_token_bitmask_bf16_rows", _pointer, _pointer, _pointer, _int64, _int64, _int64, _int
+        )
         for name in [name for name in NATIVE_GEMMS if gemm in ("auto", name) and level_at_least(level, name)]:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
             library = load_kernel(source, (), level)
@@ -177,6 +180,27 @@ class NativeKernels:
         out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
         self._argmax(rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], torch.get_num_threads())
         return out
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """-inf in place wherever bitmask (int32 [N, ceil(V / 32)], bit t % 32 of word t / 32 per token t) has a
+        0 bit, in `rows` of bfloat16 logits [N, V] (contiguous); the other rows are untouched."""
+        _check(
+            logits.dtype == torch.bfloat16
+            and logits.is_contiguous()
+            and bitmask.dtype == torch.int32
+            and bitmask.is_contiguous(),
+            "apply_token_bitmask",
+        )
+        indices = torch.tensor(rows, dtype=torch.int64)
+        self._apply_token_bitmask(
+            logits.data_ptr(),
+            bitmask.data_ptr(),
+            indices.data_ptr(),
+            len(rows),
+            logits.shape[1],
+            bitmask.shape[1],
+            torch.get_num_threads(),
+        )
 
     def rotary_and_cache(
         self,

@@ -195,3 +195,30 @@ def test_argmax_is_the_first_maximal_index_of_the_upcast(native: NativeKernels, 
         rows[4, 18] = 0.0  # -0 ties +0
     expected = rows.float().max(dim=-1).indices
     assert native.argmax(rows).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("width", [49152, 49157, 1000, 40, 7])
+def test_apply_token_bitmask_masks_the_listed_rows_as_xgrammar_does(
+    native: NativeKernels, width: int
+) -> None:
+    import xgrammar
+
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(6, width, generator=generator).to(torch.bfloat16)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (6, (width + 31) // 32), dtype=torch.int32, generator=generator
+    )
+    bitmask[0] = -1  # every token allowed: the row stays as it is
+    bitmask[1] = 0  # no token allowed: the whole row, tail included, is -inf
+    rows = [0, 1, 3, 5]  # rows 2 and 4 are unconstrained: untouched whatever their bitmask says
+    expected, masked = logits.clone(), logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    native.apply_token_bitmask(masked, bitmask, rows)
+    assert torch.equal(masked, expected)
+    allowed = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = allowed.reshape(6, -1)[:, :width].bool()
+    for row in range(6):
+        kept = allowed[row] if row in rows else torch.ones(width, dtype=torch.bool)
+        assert torch.equal(masked[row][kept], logits[row][kept])
+        assert torch.isneginf(masked[row][~kept]).all()
+    assert torch.isneginf(masked[1]).all() and torch.equal(masked[0], logits[0])
