@@ -63,6 +63,7 @@ def test_up_restarts_a_replica_whose_tensor_parallel_worker_died(tmp_path, tiny_
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     up = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "up", str(tmp_path / "fleet.yaml")],
+        cwd=tmp_path,  # the gateway's default job store is ./ember-jobs.db
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
