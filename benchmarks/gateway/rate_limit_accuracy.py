@@ -16,8 +16,9 @@ The limiter is a token bucket per key and limit, `limit` deep, refilled at `limi
 the key's first request. So from the start t0, admissions by time t can never exceed
 limit × (1 + (t - t0) / 60): the bound is checked at every admitted response (counted at its
 completion, after its admission, so the check never flatters). Once the bucket is drained, each
-window of W s admits limit × W / 60: the steady windows (all but the first, which also spends the
-full bucket) give the accuracy, admitted / (limit × W / 60).
+window of W s admits limit × W / 60 (the steady allowance; the first window also spends the full
+bucket, and a key offered less than twice its limit may take more than one window to drain it). The
+accuracy is what the run admitted over the bucket's allowance for the run, limit × (1 + T / 60).
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def summarize(key: KeySpec, outcome: Outcomes, window_s: float, windows: int, ga
     per_window = [count * key.cost for count in counts]  # in the limit's unit (requests or tokens)
     steady_allowed = key.limit * window_s / PERIOD_S
     steady = per_window[1:]
+    run_allowed = key.limit * (1 + window_s * windows / PERIOD_S)  # the bucket's whole allowance over the run
     worst_excess = max(
         (
             rank * key.cost - key.limit * (1 + done / PERIOD_S)
@@ -195,7 +197,8 @@ def summarize(key: KeySpec, outcome: Outcomes, window_s: float, windows: int, ga
         "steady_window_allowed": steady_allowed,
         "steady_window_min": min(steady),
         "steady_window_max": max(steady),
-        "accuracy": round(sum(steady) / (steady_allowed * len(steady)), 3),
+        "run_allowed": run_allowed,
+        "accuracy": round(sum(per_window) / run_allowed, 3),
         "requests_admitted": len(outcome.admitted),
         "requests_admitted_by_gateway": by_gateway,
         "refused_429": len(outcome.refused),
