@@ -56,6 +56,11 @@ def shared_state() -> Iterator[dict]:
         "postgres": {"dsn": POSTGRES_DSN, "schema": name},
         "redis": {"url": REDIS_URL, "key_prefix": name},
     }
+    drop_shared_state(name)
+
+
+def drop_shared_state(name: str) -> None:
+    """Drop the schema `name` and every Redis key under the prefix `name` (one gateway file's shared state)."""
     run_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
     client = redis.Redis.from_url(REDIS_URL)
     keys = list(client.scan_iter(match=f"{name}:*"))
