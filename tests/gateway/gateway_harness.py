@@ -33,6 +33,7 @@ from starlette.routing import Route
 from ember.gateway.app import GatewayApp, create_app
 from ember.gateway.config import GatewayConfig, parse_config
 from ember.gateway.replicas import ReplicaPool
+from tests.conftest import stop_process
 
 # One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip.
 http = httpx.Client(timeout=60)
@@ -357,13 +358,7 @@ class GatewayProcess:
         self.log.close()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 20)
         self.log.close()
 
 

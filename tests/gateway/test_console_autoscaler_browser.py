@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import pytest
 import yaml
 from console_browser import ADMIN_KEY, log_in, screenshot
 from gateway_harness import free_port, sha256
+
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -73,13 +74,7 @@ class AutoscaledFleet:
         raise AssertionError("the fleet's gateway did not start")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 120)
         self.log.close()
 
 

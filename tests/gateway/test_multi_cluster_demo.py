@@ -23,6 +23,7 @@ import yaml
 from shared_stores import POSTGRES_DSN, REDIS_URL, require_stores, run_sql
 
 from ember.commands.up import default_fleet_path
+from tests.conftest import stop_process
 
 KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
@@ -128,13 +129,7 @@ class MultiClusterFleet:
         return rows[0]["n"]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 120)
         self._reader.join(timeout=10)
         for cluster in self.gateway_ports:
             run_sql(f'DROP SCHEMA IF EXISTS "{self.schema_prefix}_{cluster}" CASCADE')

@@ -23,6 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.gateway.scraper import parse_load_metrics
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -161,13 +162,7 @@ class Fleet:
         return found
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 120)
         self._reader.join(timeout=10)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import stop_process
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -114,13 +115,7 @@ class ServerProcess:
         self.proc.send_signal(sig)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
         self._log.close()
         return self.proc.returncode
 
