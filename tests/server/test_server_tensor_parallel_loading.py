@@ -164,7 +164,8 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
     # An allowance between what one rank needs with the whole model and what it needs with half of it.
     limit = (one_rank_data.peak + two_rank_data.peak) // 2
     with pytest.raises(RuntimeError, match="ember serve exited with 1"):
-        ServerProcess(model, tmp_path / "tp1-limited.log", data_limit=limit)
+        # Stopped at once should it start after all, so a failing run leaves no server behind.
+        ServerProcess(model, tmp_path / "tp1-limited.log", data_limit=limit).stop()
     assert "cannot allocate memory" in (tmp_path / "tp1-limited.log").read_text().lower()
     limited = ServerProcess(
         model, tmp_path / "tp2-limited.log", "--tensor-parallel-size", "2", data_limit=limit
