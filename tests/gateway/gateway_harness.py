@@ -331,15 +331,16 @@ class GatewayProcess:
         self.grpc_port = free_port() if grpc else None
         self.url = f"http://{host}:{self.port}"
         command = [
-            *prefix, sys.executable, "-m", "ember.cli", "gateway", "--config", str(config_path),
+            *prefix, sys.executable, "-m", "ember.cli", "gateway", "--config", str(config_path.resolve()),
             "--host", host, "--port", str(self.port),
         ]  # fmt: skip
         if self.grpc_port is not None:
             command += ["--grpc-port", str(self.grpc_port)]
         self.log_path = log_path
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # In the config's folder: a gateway writes its defaults (./ember-jobs.db) where it runs.
         self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ)
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ), cwd=config_path.resolve().parent
         )
 
         def up() -> bool:

@@ -85,7 +85,9 @@ class MultiClusterFleet:
             "--redis-url",
             REDIS_URL,
         ]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(  # in the test's folder: the front door keeps its job store in ./ember-jobs.db
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
         self._reader.start()

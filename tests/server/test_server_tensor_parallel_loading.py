@@ -119,12 +119,14 @@ class PeakData:
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> PeakData:
+        # Servers other tests' fixtures keep running are not this block's: only processes started in it count.
+        self._earlier = set(children("self"))
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._done.wait(0.002):
-            for server in children("self"):
+            for server in set(children("self")) - self._earlier:
                 processes = [pid for pid in [server, *children(server)] if is_python(pid)]
                 self.peak = max([self.peak, *(data_bytes(pid) for pid in processes)])
 
