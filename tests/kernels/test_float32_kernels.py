@@ -11,7 +11,14 @@ from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
 from ember.kernels.native import NativeKernels, kernel_paths, load_native_kernels
 from ember.layers.attention import PagedAttention, SequenceSpan, build_attention_metadata
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from tests.kernels.test_native_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, scrambled_paged_cache
+from tests.kernels.test_native_kernels import (
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    exact_chunk_attention,
+    scrambled_paged_cache,
+)
 
 CPU = torch.device("cpu")
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
@@ -87,14 +94,5 @@ def test_paged_attention_matches_exact_attention(native: NativeKernels, chunks: 
     meta = build_attention_metadata(spans, BLOCK, torch.float32, CPU, native)
     assert [group.context_lens is not None for group in meta.groups] == [True]
     out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q, k, v, cache, meta)
-    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
-    row = 0
-    for (cached, new), table in zip(chunks, tables, strict=True):
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
-        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
-        for position in range(cached, cached + new):
-            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
-            exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
-            assert close(out[row], exact), (cached, new, position)
-            row += 1
+    for row, case, exact in exact_chunk_attention(q, cache, chunks, tables):
+        assert close(out[row], exact), case

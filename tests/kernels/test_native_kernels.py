@@ -4,6 +4,8 @@ Skipped where they cannot run (no AVX-512 or no C compiler); the engine falls ba
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,24 @@ from ember.layers.rmsnorm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def exact_chunk_attention(
+    q: torch.Tensor, cache: torch.Tensor, chunks: list[tuple[int, int]], tables: list[list[int]]
+) -> Iterator[tuple[int, tuple[int, int, int], torch.Tensor]]:
+    """Causal attention in float64 for each query row of prompt chunks (cached, new) over their paged K/V
+    (already written to `cache`): yields (row, (cached, new, position), exact output of that row)."""
+    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    row = 0
+    for (cached, new), table in zip(chunks, tables, strict=True):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
+        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
+        for position in range(cached, cached + new):
+            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
+            exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
+            yield row, (cached, new, position), exact
+            row += 1
 CPU = torch.device("cpu")
 
 
@@ -138,18 +158,9 @@ def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, 
     assert [group.query_starts is not None for group in meta.groups] == [True]
     out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q, k, v, cache, meta)  # writes the chunks' K/V first
 
-    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
-    row = 0
-    for (cached, new), table in zip(chunks, tables, strict=True):
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
-        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
-        for position in range(cached, cached + new):
-            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
-            exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
-            # bfloat16 output, and probabilities rounded to bfloat16 before P V (as PyTorch's CPU flash attention).
-            assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-7, (cached, new, position)
-            row += 1
+    for row, case, exact in exact_chunk_attention(q, cache, chunks, tables):
+        # bfloat16 output, and probabilities rounded to bfloat16 before P V (as PyTorch's CPU flash attention).
+        assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-7, case
 
 
 @pytest.mark.parametrize(("gemm", "rows"), [("avx512_bf16", rows) for rows in (1, 2, 3, 4)]
