@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
         [--queries N]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot]
+    .venv/bin/python benchmarks/engine/kernel_bandwidth.py quant [--rows 1] [--format q4_1] [--kernels LEVEL]
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
 blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
 kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens). gemm: the 120 Linear layers of the
 30 decoder layers (qkv, o, gate_up, down) on `--rows` rows, in GB/s of weights and TFLOP/s; --hot calls one
-weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate). Best of 10.
-Used for docs/benchmarks.md, "Engine step"."""
+weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate). quant: the same
+120 Linear layers with quantized weights (random blocks of `--format`) through quant_gemm.c, in GB/s of the
+weights' bytes (values, scales and mins), to compare with benchmarks/engine/read_bandwidth.c. Best of 10.
+Used for docs/benchmarks.md, "Engine step" and "Quantized weights at run time"."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from collections.abc import Callable
 import torch
 
 from ember.kernels.native import NativeKernels
+from ember.kernels.quant_gemm import QuantGemm, load_quant_gemm
+from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) per decoder layer
@@ -87,19 +92,57 @@ def gemm(kernels: NativeKernels, rows: int, hot: bool) -> None:
         report("cold weights of 30 layers", shapes, [pack(n, k) for n, k in shapes])
 
 
+def random_quantized_weight(format: str, n: int, k: int, generator: torch.Generator) -> QuantizedWeight:
+    """Random blocks of `format` (the bytes a kernel reads; their values do not change its speed)."""
+    if format == "int8":
+        values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        return QuantizedWeight(format, values, torch.rand(n, generator=generator) * 0.01)
+    width = k if format == "q8_0" else k // 2
+    values = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=generator)
+    if format == "q8_0":
+        values = values.view(torch.int8)
+
+    def block_floats() -> torch.Tensor:
+        return (torch.rand(n, k // BLOCK, generator=generator) * 0.01).half()
+
+    return QuantizedWeight(format, values, block_floats(), block_floats() if format == "q4_1" else None)
+
+
+def quant(kernels: QuantGemm, rows: int, format: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = LINEAR_SHAPES * LAYERS
+    weights = [random_quantized_weight(format, n, k, generator) for n, k in shapes]
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
+
+    def run() -> None:
+        for weight, (_, k) in zip(weights, shapes, strict=True):
+            kernels.gemm(inputs[k], weight)
+
+    seconds = best_time(run)
+    weight_bytes = sum(weight.nbytes for weight in weights)
+    print(f"quantized GEMM (native_quant_{kernels.level}, {kernels.dot_product}), {format}, {rows} rows, cold "
+          f"weights of 30 layers ({weight_bytes / 1e6:.1f} MB): {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
+          f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=("attention", "gemm"))
+    parser.add_argument("kernel", choices=("attention", "gemm", "quant"))
     parser.add_argument("--seqs", type=int, default=32, help="attention: sequences")
     parser.add_argument("--context", type=int, default=220, help="attention: tokens per sequence")
     parser.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block")
     parser.add_argument("--queries", type=int, default=1, help="attention: queries per sequence")
     parser.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
     parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
+    parser.add_argument("--format", choices=QUANT_FORMATS, default="q4_1", help="quant: weight format")
+    parser.add_argument("--kernels", default="auto", help="quant: ISA level (as ember's --kernels)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.kernel == "quant":
+        quant(load_quant_gemm(args.kernels), args.rows, args.format)
+        return
     kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV)
     if args.kernel == "attention":
         attention(kernels, args.seqs, args.context, args.block_size, args.queries)

@@ -11,11 +11,16 @@
 //   Q4_0: dw * (dx * dot(q, x) - 8 s)      (w = dw (q - 8), q the unsigned nibble)
 //   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw)
 //   int8: row_scale * sum over blocks of dx * dot(w, x)
-// Decode batches are a few rows, so the weights are read once from memory per step: each weight block is
-// loaded once and dotted with up to ROW_TILE activation rows while it sits in a register. Larger batches
-// (prompt chunks) dequantize the weight to float32 (dequantize_weight) for a float GEMM instead.
+// Decode batches are a few rows, so the GEMV is made to run at the speed of reading the weight once per step:
+// a weight row is read as groups of 8 blocks, each unpacked once into registers and dotted with up to
+// ROW_TILE activation rows; the blocks' int32 partial sums stay in vector lanes and are reduced together once
+// per group (block b in lane b), so that the group's 8 fp16 scales are converted by one vcvtph2ps and applied
+// by one multiply-add per activation row; the float sum is reduced once per output. The activations are stored
+// in the order the packed nibbles unpack in (quantize_activation_rows). Larger batches (prompt chunks)
+// dequantize the weight to float32 (dequantize_weight) for a float GEMM instead.
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,44 +45,63 @@ static inline uint16_t float_to_bf16(float value) {  // round to nearest even, a
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// Activation rows [rows, k] (row stride x_stride; float32, or bfloat16 when x_bf16) -> int8 xq [rows, k], per
-// block scales xd and sums xs [rows, k / BLOCK]. Scalar on purpose: a step's activations are a few KiB, and
-// nearbyintf rounds half to even as the tests' reference does.
-void quantize_activations(const void *x, int x_bf16, int64_t x_stride, int64_t rows, int64_t k, int8_t *xq,
-                          float *xd, float *xs) {
-    const int64_t blocks = k / BLOCK;
+// Quantized activations of `rows` rows, laid out for the GEMV below: per row, q holds
+// activation_blocks(k) * BLOCK int8 values, d and s activation_blocks(k) block scales and sums; the blocks
+// past k / BLOCK are zeros, so that the GEMV reads whole groups of GROUP blocks. With `paired` (Q4_0, Q4_1),
+// each pair of blocks (2j, 2j + 1) is stored as the low halves of both, then the high halves of both: the order
+// in which one 32-byte load of the pair's packed nibbles yields them (low nibbles, then high nibbles).
+#define GROUP 8
+
+static inline int64_t activation_blocks(int64_t k) { return (k / BLOCK + GROUP - 1) / GROUP * GROUP; }
+
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} quantized_activations;
+
+// Activation rows [rows, k] (row stride x_stride; float32, or bfloat16 when x_bf16) -> a's rows
+// [first, last). Scalar on purpose: a step's activations are a few KiB, and nearbyintf rounds half to even as
+// the tests' reference does.
+static void quantize_activation_rows(const void *x, int x_bf16, int64_t x_stride, int64_t first, int64_t last,
+                                     int64_t k, int paired, quantized_activations a) {
+    const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
     float src[BLOCK];
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = first; r < last; r++) {
+        int8_t *row_q = a.q + r * stride * BLOCK;
+        memset(row_q, 0, (size_t)(stride * BLOCK));
+        for (int64_t b = blocks; b < stride; b++) a.d[r * stride + b] = a.s[r * stride + b] = 0.0f;
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t first = r * x_stride + b * BLOCK;
+            const int64_t start = r * x_stride + b * BLOCK;
             for (int i = 0; i < BLOCK; i++)
-                src[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[first + i]) : ((const float *)x)[first + i];
+                src[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[start + i]) : ((const float *)x)[start + i];
             float amax = 0.0f;
             for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f;
             const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
             int sum = 0;
-            int8_t *dst = xq + r * k + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
                 const int q = (int)nearbyintf(src[i] * inverse);
-                dst[i] = (int8_t)q;
+                // Paired: pair b / 2 takes 2 * BLOCK bytes; its half i / 16 holds block b % 2 at offset 16 (b % 2).
+                const int64_t at = paired ? (b / 2) * 2 * BLOCK + (i / 16) * BLOCK + (b % 2) * 16 + i % 16
+                                          : b * BLOCK + i;
+                row_q[at] = (int8_t)q;
                 sum += q;
             }
-            xd[r * blocks + b] = d;
-            xs[r * blocks + b] = d * (float)sum;
+            a.d[r * stride + b] = d;
+            a.s[r * stride + b] = d * (float)sum;
         }
     }
 }
 
-// 8 int32 partial sums of u (unsigned bytes) times s (signed bytes), 4 products each.
-static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+// u (unsigned bytes) times s (signed bytes) added to the 8 int32 lanes of acc, 4 products per lane.
+static inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
     // No overflow: |products| <= 128 * 127, two per 16-bit lane.
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -88,93 +112,160 @@ static inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(sum);
 }
 
-// One weight row (its blocks: signed bytes qs8 or nibbles qs4, fp16 scales and mins, or a row scale for
-// int8) against `tile` activation rows; writes each row's dot product into result[r].
-static inline __attribute__((always_inline)) void row_dot(
-        int format, int tile, const int8_t *qs8, const uint8_t *qs4, const uint16_t *scales, const uint16_t *mins,
-        float row_scale, const int8_t *xq, const float *xd, const float *xs, int64_t k, float *result) {
-    const int64_t blocks = k / BLOCK;
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    __m256 acc[ROW_TILE];
-    float offset[ROW_TILE];
-    for (int r = 0; r < tile; r++) {
-        acc[r] = _mm256_setzero_ps();
-        offset[r] = 0.0f;
-    }
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i weights_u8, signs = _mm256_setzero_si256();
-        if (format == Q4_0 || format == Q4_1) {
-            // Nibble i of a block's 16 bytes is weight i (low) and weight 16 + i (high): 32 unsigned values.
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(qs4 + b * (BLOCK / 2)));
-            weights_u8 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
-        } else {
-            signs = _mm256_loadu_si256((const __m256i *)(qs8 + b * BLOCK));
-            weights_u8 = _mm256_sign_epi8(signs, signs);
+// A group of GROUP blocks of one weight row, unpacked once and dotted with every activation row of a tile:
+// Q4_0/Q4_1 as four pairs (u[2j]: both blocks' low nibbles, u[2j + 1]: their high nibbles), Q8_0/int8 as
+// eight blocks (u: |w|, w: the signed values, whose signs move onto the activations). Blocks past `count`
+// are zeros; scales and mins are float32 (1 for int8, whose scale is the row's).
+typedef struct {
+    __m256i u[GROUP], w[GROUP];
+    __m256 scales, mins;
+} weight_group;
+
+static inline __attribute__((always_inline)) void load_group(int format, const void *values, const uint16_t *scales,
+                                                             const uint16_t *mins, int count, weight_group *g) {
+    if (format == Q4_0 || format == Q4_1) {
+        const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < GROUP / 2; j++) {
+            const uint8_t *pair = (const uint8_t *)values + j * BLOCK;
+            // A lone last block (odd count) loads its own 16 bytes only: the pair's second half stays zero.
+            const __m256i packed = 2 * j + 1 < count ? _mm256_loadu_si256((const __m256i *)pair)
+                                   : 2 * j < count ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)pair))
+                                                   : _mm256_setzero_si256();
+            g->u[2 * j] = _mm256_and_si256(packed, low_nibbles);
+            g->u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
         }
-        const float dw = format == INT8 ? 1.0f : half_to_float(scales[b]);
-        const float mw = format == Q4_1 ? half_to_float(mins[b]) : 0.0f;
-        for (int r = 0; r < tile; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * BLOCK));
-            if (format == Q8_0 || format == INT8) x = _mm256_sign_epi8(x, signs);
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(weights_u8, x));
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[r * blocks + b]), acc[r]);
-            if (format == Q4_0) offset[r] -= 8.0f * dw * xs[r * blocks + b];
-            if (format == Q4_1) offset[r] += mw * xs[r * blocks + b];
+    } else {
+        for (int b = 0; b < GROUP; b++) {
+            g->w[b] = b < count ? _mm256_loadu_si256((const __m256i *)((const int8_t *)values + b * BLOCK))
+                                : _mm256_setzero_si256();
+            g->u[b] = _mm256_sign_epi8(g->w[b], g->w[b]);
         }
     }
-    for (int r = 0; r < tile; r++) result[r] = row_scale * horizontal_sum(acc[r]) + offset[r];
+    if (format == INT8) {
+        g->scales = _mm256_set1_ps(1.0f);
+        return;
+    }
+    uint16_t tail[2][GROUP] = {{0}};  // a partial group's scales and mins, zero past `count`
+    if (count < GROUP) {
+        memcpy(tail[0], scales, sizeof(uint16_t) * (size_t)count);
+        if (format == Q4_1) memcpy(tail[1], mins, sizeof(uint16_t) * (size_t)count);
+        scales = tail[0];
+        mins = tail[1];
+    }
+    g->scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));  // one vcvtph2ps per 8 blocks
+    if (format == Q4_1) g->mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
 }
 
-// Output n of `tile` rows, plus the bias, stored as float32 or bfloat16 (out_bf16) at out[r * n_out + n].
-static inline __attribute__((always_inline)) void tile_dot(
+// The group's 8 integer block dot products with one activation row's group (xq: its GROUP * BLOCK bytes),
+// block b in lane b. The per-block int32 partial sums are reduced together, once per group.
+static inline __attribute__((always_inline)) __m256i group_dots(int format, const weight_group *g,
+                                                                 const int8_t *xq) {
+    if (format == Q4_0 || format == Q4_1) {
+        __m256i pair[GROUP / 2];  // lanes 0-3: block 2j's partial sums, lanes 4-7: block 2j + 1's
+        for (int j = 0; j < GROUP / 2; j++) {
+            const __m256i low = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK));
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK + BLOCK));
+            pair[j] = dot_u8_s8(dot_u8_s8(_mm256_setzero_si256(), g->u[2 * j], low), g->u[2 * j + 1], high);
+        }
+        // Lanes: [b0 b0 b2 b2 | b1 b1 b3 b3], [b4 b4 b6 b6 | b5 b5 b7 b7], then [b0 b2 b4 b6 | b1 b3 b5 b7].
+        const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(pair[0], pair[1]), _mm256_hadd_epi32(pair[2], pair[3]));
+        return _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    }
+    __m256i block[GROUP];
+    for (int b = 0; b < GROUP; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+        block[b] = dot_u8_s8(_mm256_setzero_si256(), g->u[b], _mm256_sign_epi8(x, g->w[b]));
+    }
+    // Lanes: [b0 b1 b2 b3 | b0 b1 b2 b3] (each half of each block's lanes), likewise for b4-b7, then added.
+    const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(block[0], block[1]), _mm256_hadd_epi32(block[2], block[3]));
+    const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(block[4], block[5]), _mm256_hadd_epi32(block[6], block[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// acc += the group's float terms for one activation row (xd, xs: its GROUP block scales and sums):
+//   Q8_0: dw dx dot, Q4_0: dw (dx dot - 8 s), Q4_1: dw dx dot + mw s, int8: dx dot.
+static inline __attribute__((always_inline)) __m256 group_terms(int format, const weight_group *g, __m256i dots,
+                                                                const float *xd, const float *xs, __m256 acc) {
+    const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(xd));
+    if (format == INT8) return _mm256_add_ps(acc, scaled);
+    if (format == Q4_0)
+        return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(xs), scaled), acc);
+    acc = _mm256_fmadd_ps(g->scales, scaled, acc);
+    if (format == Q4_1) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
+    return acc;
+}
+
+// acc[r] += the terms of the `count` blocks from block b of one weight row (row_bytes bytes of values from
+// `values`) for activation rows r < tile; prefetches the same bytes PREFETCH_ROWS weight rows ahead.
+#define PREFETCH_ROWS 4
+
+static inline __attribute__((always_inline)) void group_step(
+        int format, int tile, const char *values, const uint16_t *row_scales, const uint16_t *row_mins, int64_t b,
+        int count, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
+    const int64_t block_bytes = format == Q4_0 || format == Q4_1 ? BLOCK / 2 : BLOCK;
+    const char *group_values = values + b * block_bytes;
+    for (int64_t line = 0; line < GROUP * block_bytes; line += 64)
+        _mm_prefetch(group_values + PREFETCH_ROWS * row_bytes + line, _MM_HINT_T0);
+    weight_group g;
+    load_group(format, group_values, row_scales ? row_scales + b : 0, row_mins ? row_mins + b : 0, count, &g);
+    for (int r = 0; r < tile; r++)
+        acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
+                             a.s + r * stride + b, acc[r]);
+}
+
+// Weight row n against activation rows [0, tile) of `a`: out[r * n_out + n] = x_r . w_n + bias[n], stored as
+// float32 or bfloat16 (out_bf16). Each weight group is read once and dotted with the tile's rows while its
+// unpacked values sit in registers.
+
+static inline __attribute__((always_inline)) void weight_row_dot(
         int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n, int64_t k,
-        const int8_t *xq, const float *xd, const float *xs, const void *bias, int out_bf16, void *out,
-        int64_t n_out) {
-    const int64_t blocks = k / BLOCK;
-    const int8_t *qs8 = (const int8_t *)qs + n * k;
-    const uint8_t *qs4 = (const uint8_t *)qs + n * (k / 2);
+        quantized_activations a, const void *bias, int out_bf16, void *out, int64_t n_out) {
+    const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
+    const int64_t block_bytes = format == Q4_0 || format == Q4_1 ? BLOCK / 2 : BLOCK;
+    const char *values = (const char *)qs + n * blocks * block_bytes;
     const uint16_t *row_scales = format == INT8 ? 0 : (const uint16_t *)scales + n * blocks;
     const uint16_t *row_mins = format == Q4_1 ? (const uint16_t *)mins + n * blocks : 0;
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
+    // Whole groups with a constant count (no per-block tests), then the partial one.
+    int64_t b = 0;
+    for (; b + GROUP <= blocks; b += GROUP)
+        group_step(format, tile, values, row_scales, row_mins, b, GROUP, blocks * block_bytes, a, stride, acc);
+    if (b < blocks)
+        group_step(format, tile, values, row_scales, row_mins, b, (int)(blocks - b), blocks * block_bytes, a, stride,
+                   acc);
     const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
-    float result[ROW_TILE];
-    row_dot(format, tile, qs8, qs4, row_scales, row_mins, row_scale, xq, xd, xs, k, result);
-    const float b = bias == 0 ? 0.0f : out_bf16 ? bf16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+    const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bf16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
     for (int r = 0; r < tile; r++) {
+        const float result = row_scale * horizontal_sum(acc[r]) + bias_n;
         if (out_bf16)
-            ((uint16_t *)out)[r * n_out + n] = float_to_bf16(result[r] + b);
+            ((uint16_t *)out)[r * n_out + n] = float_to_bf16(result);
         else
-            ((float *)out)[r * n_out + n] = result[r] + b;
+            ((float *)out)[r * n_out + n] = result;
     }
 }
 
 // Specialized per format and tile height so that the compiler keeps the accumulators in registers.
-#define TILE_CASES(FORMAT)                                                                                   \
-    switch (tile) {                                                                                          \
-    case 1: tile_dot(FORMAT, 1, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
-    case 2: tile_dot(FORMAT, 2, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
-    case 3: tile_dot(FORMAT, 3, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
-    default: tile_dot(FORMAT, 4, qs, scales, mins, n, k, xq_t, xd_t, xs_t, bias, x_bf16, out_t, n_out); break; \
+#define TILE_CASES(FORMAT)                                                                                    \
+    switch (tile) {                                                                                           \
+    case 1: weight_row_dot(FORMAT, 1, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
+    case 2: weight_row_dot(FORMAT, 2, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
+    case 3: weight_row_dot(FORMAT, 3, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
+    default: weight_row_dot(FORMAT, 4, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;     \
     }
 
-// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k] or
-// nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32 [n_out] for int8), mins (fp16
-// [n_out, k / 32], Q4_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
-// x_bf16. The activations are quantized first (quantize_activations), once, before the parallel region.
-void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
-                const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
-                int num_threads) {
-    const int64_t blocks = k / BLOCK;
-    int8_t *xq = malloc((size_t)(rows * k));
-    float *xd = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
-    float *xs = xd + rows * blocks;
-    quantize_activations(x, x_bf16, x_stride, rows, k, xq, xd, xs);
-    const size_t out_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < n_out; n++) {
+// Weight rows [n_first, n_last) of out [rows, n_out] = x @ W^T + bias, from x quantized into `a`
+// (quantize_activation_rows with paired = quant_gemm_pairs(format)): what one thread of a parallel region
+// does. A weight row is read from memory once, then from cache for the next ROW_TILE activation rows.
+static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, const void *qs, const void *scales,
+                            const void *mins, const void *bias, int out_bf16, void *out, int64_t n_out, int64_t k,
+                            int64_t n_first, int64_t n_last) {
+    const int64_t stride = activation_blocks(k);
+    const size_t out_size = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int64_t n = n_first; n < n_last; n++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            const int8_t *xq_t = xq + r0 * k;
-            const float *xd_t = xd + r0 * blocks, *xs_t = xs + r0 * blocks;
+            const quantized_activations a_t = {a.q + r0 * stride * BLOCK, a.d + r0 * stride, a.s + r0 * stride};
             void *out_t = (char *)out + (size_t)(r0 * n_out) * out_size;
             switch (format) {
             case Q8_0: TILE_CASES(Q8_0) break;
@@ -184,8 +275,31 @@ void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t
             }
         }
     }
-    free(xq);
-    free(xd);
+}
+
+static inline int quant_gemm_pairs(int format) { return format == Q4_0 || format == Q4_1; }
+
+// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k] or
+// nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32 [n_out] for int8), mins (fp16
+// [n_out, k / 32], Q4_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
+// x_bf16. The activations are quantized first, once, before the parallel region; each thread then takes a
+// contiguous run of weight rows (one sequential read of its part of the weight).
+void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
+                const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
+                int num_threads) {
+    const int64_t stride = activation_blocks(k);
+    quantized_activations a = {malloc((size_t)(rows * stride * BLOCK)), 0, 0};
+    a.d = malloc(sizeof(float) * (size_t)(2 * rows * stride));
+    a.s = a.d + rows * stride;
+    quantize_activation_rows(x, x_bf16, x_stride, 0, rows, k, quant_gemm_pairs(format), a);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        quant_gemm_rows(format, a, rows, qs, scales, mins, bias, x_bf16, out, n_out, k, n_out * thread / threads,
+                        n_out * (thread + 1) / threads);
+    }
+    free(a.q);
+    free(a.d);
 }
 
 // One dequantized weight value stored as float32, or bfloat16 when out_bf16.

@@ -17,7 +17,8 @@ from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
-N, K = 96, 576  # 18 blocks per row
+N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then a partial group of 2
+ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles)
 
 
 @pytest.fixture(scope="module", params=LEVELS or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
@@ -27,11 +28,11 @@ def kernels(request: pytest.FixtureRequest) -> QuantGemm:
     return QuantGemm(request.param)
 
 
-def random_weight(format: str, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A weight of `format` made from random floats, and its float32 values as gguf's own dequantizer
+def random_weight(format: str, seed: int, k: int = K) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A weight [N, k] of `format` made from random floats, and its float32 values as gguf's own dequantizer
     (or, for int8, the definition) gives them."""
     generator = torch.Generator().manual_seed(seed)
-    dense = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    dense = torch.randn(N, k, generator=generator) * torch.rand(N, 1, generator=generator)
     if format == "int8":
         weight = QuantizedWeight.int8_per_channel(dense)
         return weight, weight.scales[:, None] * weight.values.float()
@@ -39,7 +40,7 @@ def random_weight(format: str, seed: int) -> tuple[QuantizedWeight, torch.Tensor
     blocks = quantize(dense.numpy(), block_type)
     return (
         QuantizedWeight.from_gguf_blocks(format.upper(), blocks, N),
-        torch.from_numpy(dequantize(blocks, block_type).reshape(N, K).astype(np.float32)),
+        torch.from_numpy(dequantize(blocks, block_type).reshape(N, k).astype(np.float32)),
     )
 
 
@@ -75,9 +76,10 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_MAX_ROWS])
-def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, rows: int) -> None:
-    weight, _ = random_weight(format, seed=rows)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + rows)) * 3
+@pytest.mark.parametrize("k", [K, ODD_K])
+def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, rows: int, k: int) -> None:
+    weight, _ = random_weight(format, seed=rows, k=k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
     x[0, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
     expected, bound = reference(x, weight)
     got = kernels.gemm(x, weight).double()
