@@ -32,14 +32,15 @@ enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3 };
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-static inline float bf16_to_float(uint16_t h) {
+// (Named apart from fused_ops.c's bf16_to_float: decoder_stack_quant.c includes both files.)
+static inline float bfloat16_to_float(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
 }
 
-static inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch's conversion
+static inline uint16_t float_to_bfloat16(float value) {  // round to nearest even, as torch's conversion
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
@@ -73,7 +74,7 @@ static void quantize_activation_rows(const void *x, int x_bf16, int64_t x_stride
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t start = r * x_stride + b * BLOCK;
             for (int i = 0; i < BLOCK; i++)
-                src[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[start + i]) : ((const float *)x)[start + i];
+                src[i] = x_bf16 ? bfloat16_to_float(((const uint16_t *)x)[start + i]) : ((const float *)x)[start + i];
             float amax = 0.0f;
             for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f;
@@ -235,11 +236,11 @@ static inline __attribute__((always_inline)) void weight_row_dot(
         group_step(format, tile, values, row_scales, row_mins, b, (int)(blocks - b), blocks * block_bytes, a, stride,
                    acc);
     const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
-    const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bf16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+    const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bfloat16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
     for (int r = 0; r < tile; r++) {
         const float result = row_scale * horizontal_sum(acc[r]) + bias_n;
         if (out_bf16)
-            ((uint16_t *)out)[r * n_out + n] = float_to_bf16(result);
+            ((uint16_t *)out)[r * n_out + n] = float_to_bfloat16(result);
         else
             ((float *)out)[r * n_out + n] = result;
     }
@@ -279,33 +280,66 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
 
 static inline int quant_gemm_pairs(int format) { return format == Q4_0 || format == Q4_1; }
 
+// A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
+// the scratch its activations are quantized into: room for `rows` rows of activation_blocks(k) blocks. All
+// fields 8 bytes wide, so that Python lays a table of them out as int64 (decoder_stack_quant.c's layers).
+typedef struct {
+    int64_t format;
+    const void *qs, *scales, *mins;
+    int8_t *xq;
+    float *xd, *xs;
+} quant_linear;
+
+// out [rows, n_out] = x [rows, k] @ W^T + bias (as quant_gemm) from inside a parallel region: every thread
+// quantizes its share of the activation rows into w's scratch, then, after a barrier, computes a contiguous run
+// of weight rows (one sequential read of its part of the weight). No barrier at the end: callers inside a
+// region add one (decoder_stack_quant.c).
+static void quant_gemm_share(const quant_linear *w, const void *x, int x_bf16, int64_t x_stride, const void *bias,
+                             void *out, int64_t rows, int64_t n_out, int64_t k) {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int format = (int)w->format;
+    const quantized_activations a = {w->xq, w->xd, w->xs};
+    quantize_activation_rows(x, x_bf16, x_stride, rows * thread / threads, rows * (thread + 1) / threads, k,
+                             quant_gemm_pairs(format), a);
+#pragma omp barrier
+    quant_gemm_rows(format, a, rows, w->qs, w->scales, w->mins, bias, x_bf16, out, n_out, k,
+                    n_out * thread / threads, n_out * (thread + 1) / threads);
+}
+
+// Bytes of scratch a quant_linear needs for up to `rows` rows of width up to k.
+int64_t quant_linear_scratch_bytes(int64_t rows, int64_t k) {
+    return rows * activation_blocks(k) * (BLOCK + 2 * (int64_t)sizeof(float));
+}
+
+// Fills *w for a weight (quant_gemm's arguments) and a scratch of quant_linear_scratch_bytes(rows, k) bytes,
+// which Linears run one after another may share.
+void quant_linear_init(quant_linear *w, int format, const void *qs, const void *scales, const void *mins,
+                       void *scratch, int64_t rows, int64_t k) {
+    const int64_t values = rows * activation_blocks(k);
+    *w = (quant_linear){format, qs, scales, mins, scratch, 0, 0};
+    w->xd = (float *)((int8_t *)scratch + values * BLOCK);
+    w->xs = w->xd + values;
+}
+
 // out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k] or
 // nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32 [n_out] for int8), mins (fp16
 // [n_out, k / 32], Q4_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
-// x_bf16. The activations are quantized first, once, before the parallel region; each thread then takes a
-// contiguous run of weight rows (one sequential read of its part of the weight).
+// x_bf16.
 void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
                 const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
                 int num_threads) {
-    const int64_t stride = activation_blocks(k);
-    quantized_activations a = {malloc((size_t)(rows * stride * BLOCK)), 0, 0};
-    a.d = malloc(sizeof(float) * (size_t)(2 * rows * stride));
-    a.s = a.d + rows * stride;
-    quantize_activation_rows(x, x_bf16, x_stride, 0, rows, k, quant_gemm_pairs(format), a);
+    void *scratch = malloc((size_t)quant_linear_scratch_bytes(rows, k));
+    quant_linear w;
+    quant_linear_init(&w, format, qs, scales, mins, scratch, rows, k);
 #pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        quant_gemm_rows(format, a, rows, qs, scales, mins, bias, x_bf16, out, n_out, k, n_out * thread / threads,
-                        n_out * (thread + 1) / threads);
-    }
-    free(a.q);
-    free(a.d);
+    quant_gemm_share(&w, x, x_bf16, x_stride, bias, out, rows, n_out, k);
+    free(scratch);
 }
 
 // One dequantized weight value stored as float32, or bfloat16 when out_bf16.
 static inline void store_value(void *out, int out_bf16, int64_t index, float value) {
     if (out_bf16)
-        ((uint16_t *)out)[index] = float_to_bf16(value);
+        ((uint16_t *)out)[index] = float_to_bfloat16(value);
     else
         ((float *)out)[index] = value;
 }

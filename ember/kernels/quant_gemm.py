@@ -7,6 +7,7 @@ weight into a float32 scratch and multiply with PyTorch's GEMM (oneDNN)."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}  # quant_gemm.c's enum weight_format
+_DESCRIPTOR_FIELDS = 7  # quant_gemm.c's quant_linear: seven 8-byte fields
 # The most rows quant_gemm takes: past it the float GEMM on the dequantized weight is faster
 # (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
@@ -53,6 +55,11 @@ class QuantGemm:
             _int64,
             _int64,
             _int,
+        )
+        self._scratch_bytes = library.quant_linear_scratch_bytes
+        self._scratch_bytes.argtypes, self._scratch_bytes.restype = [_int64, _int64], _int64
+        self._init_descriptor = _bind(
+            library, "quant_linear_init", _pointer, _int, _pointer, _pointer, _pointer, _pointer, _int64, _int64
         )
         self._dequantize = _bind(
             library,
@@ -112,6 +119,25 @@ class QuantGemm:
         )
         return out
 
+    def descriptors(self, weights: list[QuantizedWeight], max_rows: int) -> LinearDescriptors:
+        """quant_gemm.c's quant_linear for each of `weights`, all sharing one activation scratch for up to
+        `max_rows` rows (for decoder_stack_quant.c: its Linears run one after another)."""
+        max_k = max(weight.shape[1] for weight in weights)
+        scratch = torch.empty(self._scratch_bytes(max_rows, max_k), dtype=torch.uint8)
+        table = torch.empty(len(weights), _DESCRIPTOR_FIELDS, dtype=torch.int64)
+        for row, weight in zip(table, weights, strict=True):
+            self._init_descriptor(
+                row.data_ptr(),
+                _FORMAT_CODES[weight.format],
+                weight.values.data_ptr(),
+                weight.scales.data_ptr(),
+                _address(weight.mins),
+                scratch.data_ptr(),
+                max_rows,
+                max_k,
+            )
+        return LinearDescriptors(table, scratch, max_rows)
+
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [N, K] of `dtype` (float32 or bfloat16; others through float32)."""
         n, k = weight.shape
@@ -129,6 +155,18 @@ class QuantGemm:
             torch.get_num_threads(),
         )
         return out.to(dtype)
+
+
+class LinearDescriptors(NamedTuple):
+    """quant_linear structs (rows of `table`, in order) and the activation scratch they point to, which holds
+    up to `max_rows` rows (the tensors they point to must outlive them)."""
+
+    table: torch.Tensor
+    scratch: torch.Tensor
+    max_rows: int
+
+    def address(self, index: int) -> int:
+        return self.table.data_ptr() + index * self.table.stride(0) * self.table.element_size()
 
 
 def _address(tensor: torch.Tensor | None) -> int:
