@@ -31,6 +31,7 @@ from ember.layers.linear import (
     pack_linear_weights,
     quantize_linears_int8,
     quantized_gemm_path,
+    quantized_stack_path,
 )
 from ember.models import build_model
 from ember.models.config import ModelConfig, dtype_reason, onednn_supports_bfloat16
@@ -100,6 +101,7 @@ class ModelRunner:
         self.kernel_paths = kernel_paths(self.native)
         if self.quant_gemm is not None:
             self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm)
+            self.kernel_paths["decoder_stack"] = quantized_stack_path(self.model, self.kernel_paths["decoder_stack"])
         logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,

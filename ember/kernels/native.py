@@ -7,7 +7,8 @@ called on torch tensors.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
-- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back.
+- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back;
+  decoder_stack_quant.c the same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
 - paged_attention_f32.c, fused_ops_f32.c: decode and prompt-chunk attention and the fused ops for float32,
   on AVX-512 or AVX2 + FMA vectors (f32_simd.h); float32's GEMMs stay oneDNN's.
 
@@ -17,6 +18,7 @@ PyTorch path for every other device and dtype."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -42,6 +44,9 @@ NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm
 
 # paged_prefill_attention(q, q_row_stride, cache, block_tables, max_blocks, query_starts, context_lens, out,
 # num_seqs, num_kv_heads, block_size, scale, num_threads), in both dtypes.
+# decoder_stack_body.h's function: the layer table, the tensors, the step's rows, the model's shape.
+_DECODER_STACK_ARGTYPES = (_pointer, _int, *(_pointer,) * 12, _int, _int, _pointer, _int64, _pointer, _int,
+                           _pointer, _int64, _pointer, _pointer, *(_int,) * 5, _float, _float, _int)
 _PREFILL_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _int64, _pointer, _pointer, _pointer, _int, _int, _int,
                      _float, _int)
 
@@ -108,10 +113,16 @@ class NativeKernels:
             self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
             self._prefill = _bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
-            stack = load_kernel("decoder_stack.c", shape, level)
-            self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 12, _int,
-                                        _int, _pointer, _int64, _pointer, _int, _pointer, _int64, _pointer,
-                                        _pointer, *(_int,) * 5, _float, _float, _int)
+            self._shape = shape
+            self._decoder_stack = _bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
+                                        *_DECODER_STACK_ARGTYPES)
+
+    @functools.cached_property
+    def _decoder_stack_quant(self) -> ctypes._CFuncPtr:
+        """decoder_stack_quant.c's stack (quantized Linear weights), built on first use: only quantized models
+        call it."""
+        library = load_kernel("decoder_stack_quant.c", self._shape, self.level)
+        return _bind(library, "decoder_stack_quant", *_DECODER_STACK_ARGTYPES)
 
     def paged_decode_attention(
         self,
@@ -252,14 +263,16 @@ class NativeKernels:
         decodes: DecodeRows | None,
         chunks: ChunkRows | None,
         shape: DecoderStackShape,
+        quantized: bool = False,
     ) -> torch.Tensor:
         """Every decoder layer for one step and the final norm: embeddings [rows, hidden] (overwritten: the
         residual stream) -> final-normed hidden [rows, hidden]. The first rows are `decodes` (one new token
         per sequence), the rest `chunks` (prompt chunks; needs has_prefill_attention), as the attention
-        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack.c's
-        layer_tensors): input norm, packed qkv weight, qkv bias or 0, packed o weight, o bias or 0,
-        post-attention norm, packed gate_up, packed down, that layer's KV cache. Writes the step's K/V into
-        the caches, like the op-by-op path."""
+        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack_body.h's
+        layer_tensors): input norm, qkv weight, qkv bias or 0, o weight, o bias or 0, post-attention norm,
+        gate_up weight, down weight, that layer's KV cache; the weights packed for the native GEMM, or with
+        `quantized` quant_gemm.c's quant_linear descriptors (QuantGemm.descriptors, whose scratch must hold
+        `rows` rows). Writes the step's K/V into the caches, like the op-by-op path."""
         rows, hidden = embeddings.shape
         _check(embeddings.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
                and all(t.is_contiguous() for t in (decodes or ()) + (chunks or ())), "decoder stack")
@@ -276,12 +289,12 @@ class NativeKernels:
         chunk_args = (0, 0, 0, 0, 0) if chunks is None else (
             chunks.context_lens.shape[0], chunks.block_tables.data_ptr(), chunks.block_tables.shape[1],
             chunks.query_starts.data_ptr(), chunks.context_lens.data_ptr())
-        self._decoder_stack(layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), embeddings.data_ptr(),
-                            out.data_ptr(), h.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
-                            gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-                            slot_mapping.data_ptr(), rows, *decode_args, *chunk_args, hidden,
-                            shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.block_size,
-                            shape.eps, shape.head_dim**-0.5, torch.get_num_threads())
+        stack = self._decoder_stack_quant if quantized else self._decoder_stack
+        stack(layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(),
+              h.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+              cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(), rows, *decode_args, *chunk_args,
+              hidden, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.block_size, shape.eps,
+              shape.head_dim**-0.5, torch.get_num_threads())
         return out
 
 

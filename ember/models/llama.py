@@ -11,6 +11,7 @@ all-gathered."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
 from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, LinearDescriptors
 from ember.kernels.quantized_weight import QuantizedWeight, cat_rows
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
@@ -109,8 +111,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class _StackTable(NamedTuple):
+    """The decoder stack's per-layer pointers [num_layers, 9] and the model's shape; for quantized weights the
+    descriptors the pointers lead to (decoder_stack_quant.c), kept alive with the table."""
+
+    layers: torch.Tensor
+    shape: DecoderStackShape
+    quantized: LinearDescriptors | None
+
+
 class LlamaForCausalLM(nn.Module):
-    # With AMX, steps run every layer in one native call (decoder_stack.c; the model runner sets it).
+    # With AMX, steps run every layer in one native call (decoder_stack.c, or decoder_stack_quant.c for
+    # quantized weights; the model runner sets it).
     native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
@@ -131,8 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.torch_dtype, device)
         self.device = torch.device(device)
-        # (KV cache address, decoder_stack's pointer table and shape, or None where it cannot run)
-        self._stack_layers: tuple[int, tuple[torch.Tensor, DecoderStackShape] | None] | None = None
+        # (KV cache address, the decoder stack's table, or None where it cannot run)
+        self._stack_layers: tuple[int, _StackTable | None] | None = None
 
     def forward(
         self,
@@ -185,36 +197,43 @@ class LlamaForCausalLM(nn.Module):
             else:
                 return None
         stack = self._decoder_stack_layers(kv_caches)
-        if stack is None:
+        # Quantized weights: decode-sized steps only; larger ones multiply dequantized weights op by op.
+        if stack is None or (stack.quantized is not None and hidden.shape[0] > stack.quantized.max_rows):
             return None
-        layers, shape = stack
-        return self.native.decoder_stack(layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
-                                         decodes, chunks, shape)
+        return self.native.decoder_stack(stack.layers, self.norm.weight, hidden, cos, sin,
+                                         attn_metadata.slot_mapping, decodes, chunks, stack.shape,
+                                         stack.quantized is not None)
 
-    def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, DecoderStackShape] | None:
-        """decoder_stack.c's table of per-layer pointers and the model's shape (built once per KV cache); None
-        when a projection has no packed weight for the native GEMM (a shape it cannot take)."""
+    def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> _StackTable | None:
+        """The decoder stack's table of per-layer pointers and the model's shape (built once per KV cache); None
+        when a projection has neither a packed weight for the native GEMM (a shape it cannot take) nor, in a
+        model whose projections are all quantized, a quantized one."""
         if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
-            rows = []
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                if any(p.gemm_weight is None for p in projections):
-                    rows = None
-                    break
-                rows.append([
-                    layer.input_layernorm.weight.data_ptr(),
-                    attn.qkv_proj.gemm_weight.data_ptr(), _address(attn.qkv_proj.bias),
-                    attn.o_proj.gemm_weight.data_ptr(), _address(attn.o_proj.bias),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    mlp.gate_up_proj.gemm_weight.data_ptr(), mlp.down_proj.gemm_weight.data_ptr(),
-                    kv_cache.data_ptr(),
-                ])
-            config = self.config
-            shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
-                                      config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
-                                      config.rms_norm_eps)
-            stack = None if rows is None else (torch.tensor(rows, dtype=torch.int64), shape)
+            projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj) for layer in self.layers]
+            linears = [p for layer in projections for p in layer]
+            descriptors = None
+            if all(p.gemm_weight is not None for p in linears):
+                weights = [p.gemm_weight.data_ptr() for p in linears]
+            elif all(p.quantized is not None and p.quant_gemm is not None for p in linears):
+                descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], GEMV_MAX_ROWS)
+                weights = [descriptors.address(i) for i in range(len(linears))]
+            else:
+                weights = None
+            stack = None
+            if weights is not None:
+                rows = []
+                for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                    attn = layer.self_attn
+                    qkv, o, gate_up, down = weights[4 * index : 4 * index + 4]
+                    rows.append([layer.input_layernorm.weight.data_ptr(), qkv, _address(attn.qkv_proj.bias), o,
+                                 _address(attn.o_proj.bias), layer.post_attention_layernorm.weight.data_ptr(),
+                                 gate_up, down, kv_cache.data_ptr()])
+                config = self.config
+                shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
+                                          config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
+                                          config.rms_norm_eps)
+                stack = _StackTable(torch.tensor(rows, dtype=torch.int64), shape, descriptors)
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
 
