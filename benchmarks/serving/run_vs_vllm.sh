@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # `ember serve` vs vLLM's CPU build, back to back with the same client (docs/benchmarks.md, "Serving").
-#   benchmarks/serving/run_vs_vllm.sh OUTDIR
+#   benchmarks/serving/run_vs_vllm.sh OUTDIR [--table-only]
 # Needs vLLM in /tmp/peers/vllm and its HF folder in /tmp/peers/smollm2-hf (../shared/peers/README.md;
 # the folder: benchmarks/serving/export_hf_folder.py). Runs issue 3's table (200-token prompts, c=32/8/1)
-# and issue 4's sweep (256-token prompts, c=1..32, PNG) against vLLM, stops it, then the same against ember.
+# and issue 4's sweep (256-token prompts, c=1..32, PNG; skipped with --table-only) against vLLM, stops it,
+# then the same against ember.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:?usage: run_vs_vllm.sh OUTDIR}
+out=${1:?usage: run_vs_vllm.sh OUTDIR [--table-only]}
+table_only=${2:-}
 mkdir -p "$out"
 source benchmarks/serving/back_to_back.sh
 
@@ -15,6 +17,7 @@ run_all() {  # NAME URL
   bench_200 "$name" "$url" 32 64 100
   bench_200 "$name" "$url" 8 64 100
   bench_200 "$name" "$url" 1 16 100
+  [[ $table_only == --table-only ]] && return
   "$ember" bench sweep --base-url "$url" "${bench_common[@]}" --input-len 256 --output-len 128 --num-prompts 32 \
     --concurrency 1,2,4,8,16,32 --seed 900 --json "$out/$name-sweep.json" --plot "$out/$name-sweep.png" \
     > "$out/$name-sweep.txt" 2>&1
