@@ -39,6 +39,7 @@ class Script:
     send_usage: bool = True
     sigint_on_request: int = 0  # send SIGINT to this process when this request (1-based) arrives
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received, in order
+    client_ports: list[int] = field(default_factory=list)  # client port of each /v1/completions request
 
 
 class ScriptedServer:
@@ -77,6 +78,7 @@ class ScriptedServer:
 
     async def completions(self, request: Request):
         body = await request.json()
+        self.script.client_ports.append(request.client.port)
         return await self._respond(body, len(self.tokenizer.encode(body["prompt"]).ids), chat=False)
 
     async def chat(self, request: Request):

@@ -116,6 +116,17 @@ def test_connection_refused_is_counted_not_raised(tiny_model_dir, tmp_path, caps
     assert "Failed requests:                         3" in capsys.readouterr().out
 
 
+def test_every_request_has_its_own_connection(scripted_server, tiny_model_dir, tmp_path):
+    # Servers close kept-alive connections on their own schedule (llama.cpp's llama-server after 5 s
+    # idle); a request sent on one the server is closing fails before the server sees it. Two at a
+    # time, so that without a new connection per request the pool would hand the next one a used one.
+    result = _bench(scripted_server.base_url, tiny_model_dir, tmp_path, "--num-prompts", "6",
+                    "--max-concurrency", "2", "--input-len", "8", "--output-len", "2", "--num-warmups", "2")
+    assert result["completed"] == 6
+    ports = scripted_server.script.client_ports
+    assert len(ports) == 2 + 6 and len(set(ports)) == len(ports)
+
+
 def test_goodput_and_cost_from_a_run(scripted_server, tiny_model_dir, tmp_path):
     # Both SLOs hold for every request (TTFT ~200 ms, TPOT ~50 ms); e2el 300 ms fails all of them.
     result = _bench(scripted_server.base_url, tiny_model_dir, tmp_path, "--num-prompts", "4",
