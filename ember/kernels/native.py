@@ -7,9 +7,10 @@ called on torch tensors.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
-- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back.
-- paged_attention_f32.c, fused_ops_f32.c: decode and prompt-chunk attention and the fused ops for float32,
-  on AVX-512 or AVX2 + FMA vectors (f32_simd.h); float32's GEMMs stay oneDNN's.
+- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back
+  (the layer loop is decoder_stack_body.h, shared by every dtype).
+- paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c: decode and prompt-chunk attention,
+  the fused ops and the GEMM for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -38,12 +39,19 @@ ANY_ROWS = sys.maxsize
 # (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
+# float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows.
+F32_GEMM_MAX_ROWS = ANY_ROWS
 
 
+# gemm(x, x_stride, packed, bias, out, rows, n, k, num_threads), every native GEMM.
+_GEMM_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _pointer, _int, _int64, _int64, _int)
 # paged_prefill_attention(q, q_row_stride, cache, block_tables, max_blocks, query_starts, context_lens, out,
 # num_seqs, num_kv_heads, block_size, scale, num_threads), in both dtypes.
 _PREFILL_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _int64, _pointer, _pointer, _pointer, _int, _int, _int,
                      _float, _int)
+# decoder_stack_body.h's function, in both dtypes.
+_DECODER_STACK_ARGTYPES = (_pointer, _int, *(_pointer,) * 12, _int, _int, _pointer, _int64, _pointer, _int, _pointer,
+                           _int64, _pointer, _pointer, *(_int,) * 5, _float, _float, _int)
 
 
 def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
@@ -57,10 +65,10 @@ class NativeKernels:
     """The kernels for one model shape and `dtype` (bfloat16 or float32), built for ISA `level`
     (ember/kernels/cpu.py; at least "avx512" for bfloat16, "avx2" for float32).
 
-    float32 has decode and prompt-chunk attention and the fused ops, on AVX-512 or AVX2 vectors
-    (`vector_isa`); its GEMMs stay PyTorch's (oneDNN float32). bfloat16 adds the native GEMM: `gemm`, a name of
-    NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is None (and
-    `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
+    float32 has every kernel on AVX-512 or AVX2 vectors (`vector_isa`, also its `gemm_name`): decode and
+    prompt-chunk attention, the fused ops and the GEMM. bfloat16's native GEMM is `gemm`, a
+    name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is
+    None (and `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
                  gemm: str = "auto") -> None:
@@ -84,6 +92,8 @@ class NativeKernels:
         if float32:
             self.has_prefill_attention = True
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
+            self.gemm_name, self.gemm_max_rows = self.vector_isa, F32_GEMM_MAX_ROWS
+            self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
         else:
             self._bind_bfloat16_only(fused, shape, level, gemm)
 
@@ -98,8 +108,7 @@ class NativeKernels:
             library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
                 self.gemm_name, self.gemm_max_rows = name, max_rows
-                self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
-                                   _int64, _int64, _int)
+                self._gemm = _bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
@@ -109,9 +118,7 @@ class NativeKernels:
             self._prefill = _bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
             stack = load_kernel("decoder_stack.c", shape, level)
-            self._decoder_stack = _bind(stack, "decoder_stack", _pointer, _int, *(_pointer,) * 12, _int,
-                                        _int, _pointer, _int64, _pointer, _int, _pointer, _int64, _pointer,
-                                        _pointer, *(_int,) * 5, _float, _float, _int)
+            self._decoder_stack = _bind(stack, "decoder_stack", *_DECODER_STACK_ARGTYPES)
 
     def paged_decode_attention(
         self,
@@ -221,10 +228,14 @@ class NativeKernels:
 
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """weight [N, K] re-laid out for the native GEMM ([N/16][K/2][16][2]); None for shapes it cannot take
-        (or without a native GEMM)."""
+        """weight [N, K] re-laid out for the native GEMM (bfloat16: [N/16][K/2][16][2]; float32: column panels
+        [N/32][K][32]); None for shapes it cannot take (or without a native GEMM)."""
         n, k = weight.shape
-        if self.gemm_name is None or n % 32 or k % self._gemm_k_multiple:
+        if self.gemm_name is None or n % 32:
+            return None
+        if self.dtype == torch.float32:
+            return weight.view(n // 32, 32, k).transpose(1, 2).contiguous()
+        if k % self._gemm_k_multiple:
             return None
         return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -235,7 +246,7 @@ class NativeKernels:
             taken = "1 row or more" if self.gemm_max_rows == ANY_ROWS else f"1 to {self.gemm_max_rows} rows"
             raise ValueError(f"native GEMM takes {taken}, got {rows}")
         _check(x.stride(1) == 1, "GEMM")
-        n = packed.shape[0] * 16
+        n = packed.numel() // k
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                    out.data_ptr(), rows, n, k, torch.get_num_threads())
@@ -256,7 +267,7 @@ class NativeKernels:
         """Every decoder layer for one step and the final norm: embeddings [rows, hidden] (overwritten: the
         residual stream) -> final-normed hidden [rows, hidden]. The first rows are `decodes` (one new token
         per sequence), the rest `chunks` (prompt chunks; needs has_prefill_attention), as the attention
-        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack.c's
+        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack_body.h's
         layer_tensors): input norm, packed qkv weight, qkv bias or 0, packed o weight, o bias or 0,
         post-attention norm, packed gate_up, packed down, that layer's KV cache. Writes the step's K/V into
         the caches, like the op-by-op path."""
