@@ -9,8 +9,8 @@ called on torch tensors.
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
 - decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back
   (the layer loop is decoder_stack_body.h, shared by every dtype).
-- paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c: decode and prompt-chunk attention,
-  the fused ops and the GEMM for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
+- paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
+  the fused ops, the GEMM and the decoder stack for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -66,7 +66,7 @@ class NativeKernels:
     (ember/kernels/cpu.py; at least "avx512" for bfloat16, "avx2" for float32).
 
     float32 has every kernel on AVX-512 or AVX2 vectors (`vector_isa`, also its `gemm_name`): decode and
-    prompt-chunk attention, the fused ops and the GEMM. bfloat16's native GEMM is `gemm`, a
+    prompt-chunk attention, the fused ops, the GEMM and the decoder stack. bfloat16's native GEMM is `gemm`, a
     name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is
     None (and `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
 
@@ -94,6 +94,9 @@ class NativeKernels:
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
             self.gemm_name, self.gemm_max_rows = self.vector_isa, F32_GEMM_MAX_ROWS
             self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
+            self.has_decoder_stack = True
+            self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
+                                        *_DECODER_STACK_ARGTYPES)
         else:
             self._bind_bfloat16_only(fused, shape, level, gemm)
 
@@ -343,7 +346,8 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
         "attention_decode": vector,
         "attention_prefill": prefill,
         "fused_ops": vector,
-        "decoder_stack": "native_amx" if native.has_decoder_stack else "off",
+        "decoder_stack": ("off" if not native.has_decoder_stack
+                          else vector if native.dtype == torch.float32 else "native_amx"),
     }
 
 

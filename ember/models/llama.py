@@ -110,7 +110,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # With AMX, steps run every layer in one native call (decoder_stack.c; the model runner sets it).
+    # Steps run every layer in one native call where the kernels have a decoder stack (bfloat16 with AMX,
+    # float32 on AVX-512 or AVX2: decoder_stack*.c); the model runner sets it.
     native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions)
         hidden = self._embed(input_ids)
-        # decoder_stack.c runs every layer in one call, with no point to all-reduce at: op by op under TP.
+        # The decoder stack runs every layer in one call, with no point to all-reduce at: op by op under TP.
         if self.native is not None and self.native.has_decoder_stack and self.tp is None:
             stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
             if stacked is not None:
@@ -192,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                                          decodes, chunks, shape)
 
     def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, DecoderStackShape] | None:
-        """decoder_stack.c's table of per-layer pointers and the model's shape (built once per KV cache); None
+        """The decoder stack's table of per-layer pointers and the model's shape (built once per KV cache); None
         when a projection has no packed weight for the native GEMM (a shape it cannot take)."""
         if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
             rows = []
