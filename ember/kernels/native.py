@@ -39,8 +39,9 @@ ANY_ROWS = sys.maxsize
 # (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
-# float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows.
-F32_GEMM_MAX_ROWS = ANY_ROWS
+# float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
+# past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
+F32_GEMM_MAX_ROWS = 32
 
 
 # gemm(x, x_stride, packed, bias, out, rows, n, k, num_threads), every native GEMM.
@@ -87,12 +88,12 @@ class NativeKernels:
         self._rotary_and_cache = _bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
-        self.gemm_max_rows = 0
+        self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
         self.has_decoder_stack = self.has_prefill_attention = False
         if float32:
             self.has_prefill_attention = True
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
-            self.gemm_name, self.gemm_max_rows = self.vector_isa, F32_GEMM_MAX_ROWS
+            self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
             self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
             self.has_decoder_stack = True
             self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
@@ -110,7 +111,7 @@ class NativeKernels:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
             library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
-                self.gemm_name, self.gemm_max_rows = name, max_rows
+                self.gemm_name, self.gemm_max_rows, self._gemm_capacity = name, max_rows, max_rows
                 self._gemm = _bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
@@ -243,10 +244,11 @@ class NativeKernels:
         return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows <= gemm_max_rows, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
+        """x [rows, K] (unit stride over K) @ W^T + bias -> [rows, N]; rows up to gemm_max_rows for the bfloat16
+        GEMMs, any number for float32's (which Linear uses up to gemm_max_rows, where it beats oneDNN's)."""
         rows, k = x.shape
-        if not 0 < rows <= self.gemm_max_rows:
-            taken = "1 row or more" if self.gemm_max_rows == ANY_ROWS else f"1 to {self.gemm_max_rows} rows"
+        if not 0 < rows <= self._gemm_capacity:
+            taken = "1 row or more" if self._gemm_capacity == ANY_ROWS else f"1 to {self._gemm_capacity} rows"
             raise ValueError(f"native GEMM takes {taken}, got {rows}")
         _check(x.stride(1) == 1, "GEMM")
         n = packed.numel() // k
@@ -337,7 +339,8 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
     if native.gemm_name is not None:
         gemm = f"native_{native.gemm_name}"
         if native.gemm_max_rows < ANY_ROWS:
-            gemm += f" (up to {native.gemm_max_rows} rows, else torch)"
+            in_stack = "every row count in the decoder stack; op by op " if native.has_decoder_stack else ""
+            gemm += f" ({in_stack}up to {native.gemm_max_rows} rows, else torch)"
     prefill = "torch"
     if native.has_prefill_attention:
         prefill = vector if native.dtype == torch.float32 else "native_amx"
