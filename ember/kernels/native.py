@@ -42,6 +42,9 @@ NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm
 # float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
 # past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
 F32_GEMM_MAX_ROWS = 32
+# With AVX2, steps of more rows (prompt chunks) are faster op by op, on oneDNN's GEMMs, than in the decoder stack
+# (docs/benchmarks.md).
+F32_AVX2_STACK_MAX_ROWS = 64
 
 
 # gemm(x, x_stride, packed, bias, out, rows, n, k, num_threads), every native GEMM.
@@ -90,12 +93,15 @@ class NativeKernels:
         self.gemm_name: str | None = None
         self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
         self.has_decoder_stack = self.has_prefill_attention = False
+        self.decoder_stack_max_rows = ANY_ROWS  # larger steps run op by op
         if float32:
             self.has_prefill_attention = True
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
             self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
             self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
             self.has_decoder_stack = True
+            if self.vector_isa == "avx2":
+                self.decoder_stack_max_rows = F32_AVX2_STACK_MAX_ROWS
             self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
                                         *_DECODER_STACK_ARGTYPES)
         else:
@@ -344,13 +350,17 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
     prefill = "torch"
     if native.has_prefill_attention:
         prefill = vector if native.dtype == torch.float32 else "native_amx"
+    stack = "off"
+    if native.has_decoder_stack:
+        stack = vector if native.dtype == torch.float32 else "native_amx"
+        if native.decoder_stack_max_rows < ANY_ROWS:
+            stack += f" (steps of up to {native.decoder_stack_max_rows} rows, else op by op)"
     return {
         "gemm": gemm,
         "attention_decode": vector,
         "attention_prefill": prefill,
         "fused_ops": vector,
-        "decoder_stack": ("off" if not native.has_decoder_stack
-                          else vector if native.dtype == torch.float32 else "native_amx"),
+        "decoder_stack": stack,
     }
 
 

@@ -146,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         hidden = self._embed(input_ids)
         # The decoder stack runs every layer in one call, with no point to all-reduce at: op by op under TP.
-        if self.native is not None and self.native.has_decoder_stack and self.tp is None:
+        if (self.native is not None and self.native.has_decoder_stack and self.tp is None
+                and len(input_ids) <= self.native.decoder_stack_max_rows):
             stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
             if stacked is not None:
                 return stacked
