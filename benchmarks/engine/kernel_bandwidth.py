@@ -2,16 +2,19 @@
 
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
         [--queries N]
-    .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot]
+    .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot] [--dtype float32]
+        [--kernels avx512] [--vs-torch]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py quant [--rows 1] [--format q4_1] [--kernels LEVEL]
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
 blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
 kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens). gemm: the 120 Linear layers of the
 30 decoder layers (qkv, o, gate_up, down) on `--rows` rows, in GB/s of weights and TFLOP/s; --hot calls one
-weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate). quant: the same
-120 Linear layers with quantized weights (random blocks of `--format`) through quant_gemm.c, in GB/s of the
-weights' bytes (values, scales and mins), to compare with benchmarks/engine/read_bandwidth.c. Best of 10.
+weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate); --vs-torch times
+torch.nn.functional.linear on the same (unpacked) weights too (set ONEDNN_MAX_CPU_ISA to keep oneDNN to an older
+CPU's instructions). quant: the same 120 Linear layers with quantized weights (random blocks of `--format`)
+through quant_gemm.c, in GB/s of the weights' bytes (values, scales and mins), to compare with
+benchmarks/engine/read_bandwidth.c. --kernels builds the kernels of a lower ISA level than the CPU's. Best of 10.
 Used for docs/benchmarks.md, "Engine step" and "Quantized weights at run time"."""
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level
 from ember.kernels.native import NativeKernels
 from ember.kernels.quant_gemm import QuantGemm, load_quant_gemm
 from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight
@@ -67,29 +72,31 @@ def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, 
           f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
 
 
-def gemm(kernels: NativeKernels, rows: int, hot: bool) -> None:
-    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
+def gemm(kernels: NativeKernels, rows: int, hot: bool, vs_torch: bool) -> None:
+    dtype = kernels.dtype
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for _, k in LINEAR_SHAPES}
 
-    def report(label: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor]) -> None:
-        def run() -> None:
-            for weight, (_, k) in zip(weights, shapes, strict=True):
-                kernels.gemm(inputs[k], weight, None)
+    def report(label: str, weights: list[torch.Tensor]) -> None:
+        packed = [kernels.pack_gemm_weight(weight) for weight in weights]
+        runs = {f"native {kernels.gemm_name}": lambda: [kernels.gemm(inputs[w.shape[1]], p, None)
+                                                        for w, p in zip(weights, packed, strict=True)]}
+        if vs_torch:
+            runs["torch F.linear"] = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        flops = sum(2 * rows * w.numel() for w in weights)
+        for name, run in runs.items():
+            seconds = best_time(run)
+            print(f"GEMM {dtype} ({name}), {rows} rows, {label}: {seconds * 1e3:.2f} ms for {len(weights)} calls, "
+                  f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights, {flops / seconds / 1e12:.3f} TFLOP/s")
 
-        seconds = best_time(run)
-        weight_bytes = sum(n * k * 2 for n, k in shapes)
-        flops = sum(2 * rows * n * k for n, k in shapes)
-        print(f"GEMM ({kernels.gemm_name}), {rows} rows, {label}: {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
-              f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights, {flops / seconds / 1e12:.2f} TFLOP/s")
-
-    def pack(n: int, k: int) -> torch.Tensor:
-        return kernels.pack_gemm_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.02)
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, dtype=dtype) * 0.02
 
     if hot:  # per shape: one weight, called LAYERS times
         for n, k in LINEAR_SHAPES:
-            report(f"one hot {n} x {k} weight", [(n, k)] * LAYERS, [pack(n, k)] * LAYERS)
+            report(f"one hot {n} x {k} weight", [weight(n, k)] * LAYERS)
     else:
-        shapes = LINEAR_SHAPES * LAYERS
-        report("cold weights of 30 layers", shapes, [pack(n, k) for n, k in shapes])
+        report("cold weights of 30 layers", [weight(n, k) for n, k in LINEAR_SHAPES * LAYERS])
 
 
 def random_quantized_weight(format: str, n: int, k: int, generator: torch.Generator) -> QuantizedWeight:
@@ -134,20 +141,22 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1, help="attention: queries per sequence")
     parser.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
     parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
+    parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
     parser.add_argument("--format", choices=QUANT_FORMATS, default="q4_1", help="quant: weight format")
-    parser.add_argument("--kernels", default="auto", help="quant: ISA level (as ember's --kernels)")
+    parser.add_argument("--kernels", choices=ISA_LEVELS[1:], default=None, help="ISA level (default: the CPU's)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.kernel == "quant":
-        quant(load_quant_gemm(args.kernels), args.rows, args.format)
+        quant(load_quant_gemm(args.kernels or "auto"), args.rows, args.format)
         return
-    kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV)
+    kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV, args.kernels or cpu_isa_level(), getattr(torch, args.dtype))
     if args.kernel == "attention":
         attention(kernels, args.seqs, args.context, args.block_size, args.queries)
     else:
-        gemm(kernels, args.rows, args.hot)
+        gemm(kernels, args.rows, args.hot, args.vs_torch)
 
 
 if __name__ == "__main__":

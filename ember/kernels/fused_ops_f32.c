@@ -1,6 +1,10 @@
 // fused_ops.c's residual add + RMSNorm, SiLU-and-mul and RoPE + KV-cache write for float32, on AVX-512 or
 // AVX2 + FMA vectors (f32_simd.h; widths are multiples of 16). No intermediate rounding: the results differ
 // from PyTorch's float32 ops only in the order of sums and in exp's last bits.
+//
+// Each op's *_rows function shares its rows among the threads of the enclosing OpenMP parallel region (an
+// orphaned `omp for`, ending with its barrier; decoder_stack_f32.c calls them inside its own region); the
+// exported function opens one.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -11,10 +15,10 @@
 #define PARALLEL_MIN_ELEMENTS 32768
 
 // residual = x + residual (in place; skipped when residual is x itself), out = rms_norm(residual) * weight.
-void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                      int64_t width, float eps, int num_threads) {
+static void add_rms_norm_f32_rows(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                                  int64_t width, float eps) {
     const int add = x != residual;
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         float *res = residual + row * width;
         const float *in = x + row * width;
@@ -33,9 +37,15 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
     }
 }
 
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                      int64_t width, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    add_rms_norm_f32_rows(x, residual, weight, out, rows, width, eps);
+}
+
 // out = silu(gate) * up for gate_up rows [gate (width), up (width)].
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+static void silu_and_mul_f32_rows(const float *gate_up, float *out, int64_t rows, int64_t width) {
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         const float *gate = gate_up + row * 2 * width, *up = gate + width;
         for (int64_t i = 0; i < width; i += LANES) {
@@ -46,15 +56,19 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t wi
     }
 }
 
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    silu_and_mul_f32_rows(gate_up, out, rows, width);
+}
+
 // Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, as apply_rotary)
 // and writes the row's k and v into its KV-cache slot ([slot, 2 (K, V), num_kv_heads, head_dim]).
-void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                          float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
-                          int num_threads) {
+static void rotary_and_cache_f32_rows(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
+                                      float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t row = 0; row < rows; row++) {
         float *x = qkv + row * row_width;
         const float *c = cos + row * head_dim, *s = sin_signed + row * head_dim;
@@ -69,4 +83,12 @@ void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed,
         // k then v: one contiguous run in qkv and in the slot.
         memcpy(cache + slots[row] * 2 * kv_width, x + (int64_t)num_heads * head_dim, sizeof(float) * 2 * kv_width);
     }
+}
+
+void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
+                          float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                          int num_threads) {
+    const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
+#pragma omp parallel num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
+    rotary_and_cache_f32_rows(qkv, cos, sin_signed, slots, cache, rows, num_heads, num_kv_heads, head_dim);
 }

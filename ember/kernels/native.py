@@ -7,10 +7,11 @@ called on torch tensors.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
-- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back;
-  decoder_stack_quant.c the same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
-- paged_attention_f32.c, fused_ops_f32.c: decode and prompt-chunk attention and the fused ops for float32,
-  on AVX-512 or AVX2 + FMA vectors (f32_simd.h); float32's GEMMs stay oneDNN's.
+- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back
+  (the layer loop is decoder_stack_body.h, shared by every dtype and weight format); decoder_stack_quant.c the
+  same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
+- paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
+  the fused ops, the GEMM and the decoder stack for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -40,15 +41,24 @@ ANY_ROWS = sys.maxsize
 # (prefill steps; docs/benchmarks.md). small_gemm.c holds
 # at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
+# float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
+# past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
+F32_GEMM_MAX_ROWS = 32
+# With AVX2, steps of more rows (prompt chunks) are faster op by op, on oneDNN's GEMMs, than in the decoder stack
+# (docs/benchmarks.md).
+F32_AVX2_STACK_MAX_ROWS = 64
 
 
+# gemm(x, x_stride, packed, bias, out, rows, n, k, num_threads), every native GEMM.
+_GEMM_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _pointer, _int, _int64, _int64, _int)
 # paged_prefill_attention(q, q_row_stride, cache, block_tables, max_blocks, query_starts, context_lens, out,
 # num_seqs, num_kv_heads, block_size, scale, num_threads), in both dtypes.
-# decoder_stack_body.h's function: the layer table, the tensors, the step's rows, the model's shape.
-_DECODER_STACK_ARGTYPES = (_pointer, _int, *(_pointer,) * 12, _int, _int, _pointer, _int64, _pointer, _int,
-                           _pointer, _int64, _pointer, _pointer, *(_int,) * 5, _float, _float, _int)
 _PREFILL_ARGTYPES = (_pointer, _int64, _pointer, _pointer, _int64, _pointer, _pointer, _pointer, _int, _int, _int,
                      _float, _int)
+# decoder_stack_body.h's function, in every dtype and weight format: the layer table, the tensors, the step's
+# rows, the model's shape.
+_DECODER_STACK_ARGTYPES = (_pointer, _int, *(_pointer,) * 12, _int, _int, _pointer, _int64, _pointer, _int, _pointer,
+                           _int64, _pointer, _pointer, *(_int,) * 5, _float, _float, _int)
 
 
 def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
@@ -62,16 +72,16 @@ class NativeKernels:
     """The kernels for one model shape and `dtype` (bfloat16 or float32), built for ISA `level`
     (ember/kernels/cpu.py; at least "avx512" for bfloat16, "avx2" for float32).
 
-    float32 has decode and prompt-chunk attention and the fused ops, on AVX-512 or AVX2 vectors
-    (`vector_isa`); its GEMMs stay PyTorch's (oneDNN float32). bfloat16 adds the native GEMM: `gemm`, a name of
-    NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is None (and
-    `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
+    float32 has every kernel on AVX-512 or AVX2 vectors (`vector_isa`, also its `gemm_name`): decode and
+    prompt-chunk attention, the fused ops, the GEMM and the decoder stack. bfloat16's native GEMM is `gemm`, a
+    name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is
+    None (and `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
                  gemm: str = "auto") -> None:
         self.level, self.dtype = level, dtype
         self.vector_isa = "avx512" if level_at_least(level, "avx512") else "avx2"
-        shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
+        shape = self._shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
         float32 = dtype == torch.float32
         suffix = "_f32" if float32 else ""
         attention = load_kernel("paged_attention_f32.c" if float32 else "paged_decode_attention.c", shape, level)
@@ -84,11 +94,19 @@ class NativeKernels:
         self._rotary_and_cache = _bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                        _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
-        self.gemm_max_rows = 0
+        self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
         self.has_decoder_stack = self.has_prefill_attention = False
+        self.decoder_stack_max_rows = ANY_ROWS  # larger steps run op by op
         if float32:
             self.has_prefill_attention = True
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
+            self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
+            self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
+            self.has_decoder_stack = True
+            if self.vector_isa == "avx2":
+                self.decoder_stack_max_rows = F32_AVX2_STACK_MAX_ROWS
+            self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
+                                        *_DECODER_STACK_ARGTYPES)
         else:
             self._bind_bfloat16_only(fused, shape, level, gemm)
 
@@ -102,9 +120,8 @@ class NativeKernels:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
             library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
-                self.gemm_name, self.gemm_max_rows = name, max_rows
-                self._gemm = _bind(library, source[:-2], _pointer, _int64, _pointer, _pointer, _pointer, _int,
-                                   _int64, _int64, _int)
+                self.gemm_name, self.gemm_max_rows, self._gemm_capacity = name, max_rows, max_rows
+                self._gemm = _bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
@@ -113,9 +130,13 @@ class NativeKernels:
             self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
             self._prefill = _bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
-            self._shape = shape
             self._decoder_stack = _bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
                                         *_DECODER_STACK_ARGTYPES)
+
+    @property
+    def has_quantized_decoder_stack(self) -> bool:
+        """Whether decoder_stack_quant.c runs here: it is built on the bfloat16 fused ops and attention."""
+        return self.has_decoder_stack and self.dtype == torch.bfloat16
 
     @functools.cached_property
     def _decoder_stack_quant(self) -> ctypes._CFuncPtr:
@@ -232,21 +253,26 @@ class NativeKernels:
 
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """weight [N, K] re-laid out for the native GEMM ([N/16][K/2][16][2]); None for shapes it cannot take
-        (or without a native GEMM)."""
+        """weight [N, K] re-laid out for the native GEMM (bfloat16: [N/16][K/2][16][2]; float32: column panels
+        [N/32][K][32]); None for shapes it cannot take (or without a native GEMM)."""
         n, k = weight.shape
-        if self.gemm_name is None or n % 32 or k % self._gemm_k_multiple:
+        if self.gemm_name is None or n % 32:
+            return None
+        if self.dtype == torch.float32:
+            return weight.view(n // 32, 32, k).transpose(1, 2).contiguous()
+        if k % self._gemm_k_multiple:
             return None
         return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows <= gemm_max_rows, K] (unit stride over K) @ W^T + bias -> [rows, N]."""
+        """x [rows, K] (unit stride over K) @ W^T + bias -> [rows, N]; rows up to gemm_max_rows for the bfloat16
+        GEMMs, any number for float32's (which Linear uses up to gemm_max_rows, where it beats oneDNN's)."""
         rows, k = x.shape
-        if not 0 < rows <= self.gemm_max_rows:
-            taken = "1 row or more" if self.gemm_max_rows == ANY_ROWS else f"1 to {self.gemm_max_rows} rows"
+        if not 0 < rows <= self._gemm_capacity:
+            taken = "1 row or more" if self._gemm_capacity == ANY_ROWS else f"1 to {self._gemm_capacity} rows"
             raise ValueError(f"native GEMM takes {taken}, got {rows}")
         _check(x.stride(1) == 1, "GEMM")
-        n = packed.shape[0] * 16
+        n = packed.numel() // k
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                    out.data_ptr(), rows, n, k, torch.get_num_threads())
@@ -336,16 +362,22 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
     if native.gemm_name is not None:
         gemm = f"native_{native.gemm_name}"
         if native.gemm_max_rows < ANY_ROWS:
-            gemm += f" (up to {native.gemm_max_rows} rows, else torch)"
+            in_stack = "every row count in the decoder stack; op by op " if native.has_decoder_stack else ""
+            gemm += f" ({in_stack}up to {native.gemm_max_rows} rows, else torch)"
     prefill = "torch"
     if native.has_prefill_attention:
         prefill = vector if native.dtype == torch.float32 else "native_amx"
+    stack = "off"
+    if native.has_decoder_stack:
+        stack = vector if native.dtype == torch.float32 else "native_amx"
+        if native.decoder_stack_max_rows < ANY_ROWS:
+            stack += f" (steps of up to {native.decoder_stack_max_rows} rows, else op by op)"
     return {
         "gemm": gemm,
         "attention_decode": vector,
         "attention_prefill": prefill,
         "fused_ops": vector,
-        "decoder_stack": "native_amx" if native.has_decoder_stack else "off",
+        "decoder_stack": stack,
     }
 
 

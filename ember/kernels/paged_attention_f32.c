@@ -67,13 +67,15 @@ static void attend_group(const float *q, float *out, const float *cache, const i
 }
 
 // q [num_seqs, heads, HEAD_DIM] (row stride q_row_stride); block_tables [num_seqs, max_blocks]; context_lens
-// [num_seqs] (keys each query attends, its own included) -> out [num_seqs, heads * HEAD_DIM].
-void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
-                                const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                                float *out, int num_seqs, int num_kv_heads, int block_size, float scale,
-                                int num_threads) {
+// [num_seqs] (keys each query attends, its own included) -> out [num_seqs, heads * HEAD_DIM]. Shares the tasks
+// among the threads of the enclosing parallel region (an orphaned `omp for`, ending with its barrier;
+// decoder_stack_f32.c calls it inside its own); paged_decode_attention_f32 opens one.
+static void paged_decode_attention_f32_tasks(const float *q, int64_t q_row_stride, const float *cache,
+                                             const int64_t *block_tables, int64_t max_blocks,
+                                             const int64_t *context_lens, float *out, int num_seqs,
+                                             int num_kv_heads, int block_size, float scale) {
     const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)num_seqs * num_kv_heads; task++) {
         const int64_t seq = task / num_kv_heads;
         const int kv_head = (int)(task % num_kv_heads);
@@ -83,16 +85,26 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
     }
 }
 
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
+                                const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                                float *out, int num_seqs, int num_kv_heads, int block_size, float scale,
+                                int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_attention_f32_tasks(q, q_row_stride, cache, block_tables, max_blocks, context_lens, out, num_seqs,
+                                     num_kv_heads, block_size, scale);
+}
+
 // Prompt chunks: sequence s's queries are rows [query_starts[s], query_starts[s + 1]) of q [T, heads, HEAD_DIM],
 // its last new tokens, already in the cache; context_lens[s] counts its keys, new ones included
-// -> out [T, heads * HEAD_DIM].
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
-                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *query_starts,
-                                 const int64_t *context_lens, float *out, int num_seqs, int num_kv_heads,
-                                 int block_size, float scale, int num_threads) {
+// -> out [T, heads * HEAD_DIM]. Shares the tasks among the threads of the enclosing parallel region (an orphaned
+// `omp for` without its barrier: callers inside a region add one).
+static void paged_prefill_attention_f32_tasks(const float *q, int64_t q_row_stride, const float *cache,
+                                              const int64_t *block_tables, int64_t max_blocks,
+                                              const int64_t *query_starts, const int64_t *context_lens, float *out,
+                                              int num_seqs, int num_kv_heads, int block_size, float scale) {
     const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM;
     const int64_t num_rows = query_starts[num_seqs];
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < num_rows * num_kv_heads; task++) {
         const int64_t row = task / num_kv_heads;
         const int kv_head = (int)(task % num_kv_heads);
@@ -103,4 +115,13 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const flo
                      out + row * num_kv_heads * group_width + kv_head * group_width, cache,
                      block_tables + seq * max_blocks, block_size, num_kv_heads, kv_head, keys, scale);
     }
+}
+
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
+                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *query_starts,
+                                 const int64_t *context_lens, float *out, int num_seqs, int num_kv_heads,
+                                 int block_size, float scale, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_prefill_attention_f32_tasks(q, q_row_stride, cache, block_tables, max_blocks, query_starts, context_lens,
+                                      out, num_seqs, num_kv_heads, block_size, scale);
 }

@@ -2,9 +2,9 @@
 
 `F.linear` on a plain bfloat16 weight makes oneDNN reorder the weight into its blocked (AMX/AVX512-BF16)
 layout on every call; a small model streams all of its weights each step, so those reorders cost about a
-third of every matmul. Packing once at load time removes them, with bit-identical results. float32 keeps
-the plain path: packed float32 is not faster there and rounds differently. Where the native GEMM takes every
-row count (AMX), it replaces oneDNN and the oneDNN copy is not made.
+third of every matmul. Packing once at load time removes them, with bit-identical results. float32 makes no
+oneDNN copy: packed float32 is not faster there and rounds differently. Where the native GEMM takes every
+row count (AMX in bfloat16; f32_gemm.c in float32), it replaces oneDNN and the oneDNN copy is not made.
 
 With `--quantization`, the weight is a QuantizedWeight instead (GGUF blocks or int8) and `weight` is None:
 forward runs quant_gemm.c on it, dequantizing only in registers."""
@@ -22,8 +22,8 @@ from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
 
 class Linear(nn.Linear):
     """nn.Linear plus optional pre-packed copies of the weight that forward uses when present: the native
-    GEMM's (ember/kernels/amx_gemm.c for every batch, or small_gemm.c for decode batches of a few rows), then
-    oneDNN's; or a quantized weight and the kernels that use it."""
+    GEMM's (ember/kernels/amx_gemm.c or, in float32, f32_gemm.c for every batch, or small_gemm.c for decode
+    batches of a few rows), then oneDNN's; or a quantized weight and the kernels that use it."""
 
     packed_weight: torch.Tensor | None = None
     native: NativeKernels | None = None

@@ -121,8 +121,9 @@ class _StackTable(NamedTuple):
 
 
 class LlamaForCausalLM(nn.Module):
-    # With AMX, steps run every layer in one native call (decoder_stack.c, or decoder_stack_quant.c for
-    # quantized weights; the model runner sets it).
+    # Steps run every layer in one native call where the kernels have a decoder stack (bfloat16 with AMX,
+    # float32 on AVX-512 or AVX2: decoder_stack*.c; quantized weights with AMX: decoder_stack_quant.c); the model
+    # runner sets it.
     native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
@@ -156,8 +157,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions)
         hidden = self._embed(input_ids)
-        # decoder_stack.c runs every layer in one call, with no point to all-reduce at: op by op under TP.
-        if self.native is not None and self.native.has_decoder_stack and self.tp is None:
+        # The decoder stack runs every layer in one call, with no point to all-reduce at: op by op under TP.
+        if (self.native is not None and self.native.has_decoder_stack and self.tp is None
+                and len(input_ids) <= self.native.decoder_stack_max_rows):
             stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
             if stacked is not None:
                 return stacked
@@ -215,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
             descriptors = None
             if all(p.gemm_weight is not None for p in linears):
                 weights = [p.gemm_weight.data_ptr() for p in linears]
-            elif all(p.quantized is not None and p.quant_gemm is not None for p in linears):
+            elif self.native.has_quantized_decoder_stack and all(
+                p.quantized is not None and p.quant_gemm is not None for p in linears
+            ):
                 descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], GEMV_MAX_ROWS)
                 weights = [descriptors.address(i) for i in range(len(linears))]
             else:

@@ -1,6 +1,7 @@
-"""Greedy decoding in float32 on ember's native float32 kernels, forced to each ISA level this CPU can run,
-against the same engine on PyTorch ops only: token for token the same (float32 noise cannot flip a greedy
-choice here), with prompt chunks and decode steps mixed in one step."""
+"""Greedy decoding in float32 on ember's native float32 kernels (every step one decoder stack call:
+decoder_stack_f32.c with f32_gemm.c), forced to each ISA level this CPU can run, against the same engine on
+PyTorch ops only (oneDNN's GEMMs): token for token the same (float32 noise cannot flip a greedy choice here),
+with prompt chunks and decode steps mixed in one step."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ember import LLM, SamplingParams
 from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
 from tests.conftest import build_tiny_model_dir
+from tests.kernels.test_decoder_stack import count_stack_calls
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
@@ -23,9 +25,17 @@ def greedy_tokens(model: Path, kernels: str, max_tokens: int) -> list[list[int]]
     llm = LLM(str(model), dtype="float32", kernels=kernels, num_threads=2, enable_prefix_caching=False,
               max_num_seqs=4, max_num_batched_tokens=32)
     paths = llm.engine.runner.kernel_paths
-    assert (paths["attention_decode"] == "torch") == (kernels == "torch")
+    native = kernels != "torch"
+    expected = paths["attention_decode"] if native else "torch"
+    assert expected.startswith("native_" if native else "torch")
+    assert paths["gemm"].startswith(expected) and paths["decoder_stack"].startswith(expected if native else "off")
+    counts = count_stack_calls(llm) if native else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [result.outputs[0].token_ids for result in llm.generate(TEXTS, params)]
+    tokens = [result.outputs[0].token_ids for result in llm.generate(TEXTS, params)]
+    if counts is not None:
+        calls, steps = counts()
+        assert calls == steps >= max_tokens  # every step ran as one decoder stack call
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +54,18 @@ def tiny_reference(tiny_32_dir: Path) -> list[list[int]]:
 @pytest.mark.parametrize("level", LEVELS)
 def test_tiny_model_greedy_is_token_exact(tiny_32_dir: Path, tiny_reference: list[list[int]], level: str) -> None:
     assert greedy_tokens(tiny_32_dir, level, 40) == tiny_reference
+
+
+def test_avx2_runs_steps_of_many_rows_op_by_op(tiny_32_dir: Path) -> None:
+    if "avx2" not in LEVELS:
+        pytest.skip("no AVX2")
+    llm = LLM(str(tiny_32_dir), dtype="float32", kernels="avx2", num_threads=2, enable_prefix_caching=False,
+              max_num_seqs=len(TEXTS), max_num_batched_tokens=1024)
+    counts = count_stack_calls(llm)
+    prompts = [[100 + (7 * i + j) % 900 for j in range(30)] for i in range(4)]  # one prefill step of 120 rows
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    calls, steps = counts()
+    assert steps == 5 and calls == 4  # the prefill step op by op, the 4-row decode steps in the stack
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""ember's float32 kernels (paged_attention_f32.c, fused_ops_f32.c) against exact or PyTorch results, built
-for each ISA level this CPU can run: AVX2 + FMA vectors at "avx2", AVX-512 ones from "avx512" up."""
+"""ember's float32 kernels (paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c) against exact or PyTorch results,
+built for each ISA level this CPU can run: AVX2 + FMA vectors at "avx2", AVX-512 ones from "avx512" up."""
 
 from __future__ import annotations
 
@@ -37,12 +37,33 @@ def native(request: pytest.FixtureRequest) -> NativeKernels:
 
 def test_paths_are_the_vector_width_of_the_level(native: NativeKernels) -> None:
     vector = "native_avx512" if level_at_least(native.level, "avx512") else "native_avx2"
-    assert kernel_paths(native) == {"gemm": "torch", "attention_decode": vector, "attention_prefill": vector,
-                                    "fused_ops": vector, "decoder_stack": "off"}
+    gemm = f"{vector} (every row count in the decoder stack; op by op up to 32 rows, else torch)"
+    stack = vector if vector == "native_avx512" else f"{vector} (steps of up to 64 rows, else op by op)"
+    assert kernel_paths(native) == {"gemm": gemm, "attention_decode": vector, "attention_prefill": vector,
+                                    "fused_ops": vector, "decoder_stack": stack}
 
 
 def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool((got.double() - expected.double()).abs().max() <= expected.abs().max() * RELATIVE)
+
+
+# Decode batches (1-7 rows: one register tile and its tails at both vector widths), a block of prompt rows and
+# more than one (256: several row blocks and a tail).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 73, 256])
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(960, 576, True), (96, 1536, False)])
+def test_gemm_matches_exact_linear(native: NativeKernels, rows: int, n: int, k: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows + n)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    x = torch.randn(rows, 2 * k, generator=generator)[:, :k]  # rows with a stride of 2 K, a slice of a wider tensor
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = native.gemm(x, native.pack_gemm_weight(weight), bias)
+    # float32 sums of k products in any order: within k float32 ulps of the sum of the products' magnitudes.
+    bound = (x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs().double())) * k * 2**-24
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert (out.double() - exact).abs().max() <= exact.abs().max() * RELATIVE
+    assert torch.equal(native.gemm(x.contiguous(), native.pack_gemm_weight(weight), bias), out)
+    assert native.pack_gemm_weight(torch.zeros(48, k)) is None  # 48 outputs: not whole 32-wide panels
 
 
 def test_add_rms_norm(native: NativeKernels) -> None:
