@@ -44,9 +44,9 @@ NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm
 # float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
 # past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
 F32_GEMM_MAX_ROWS = 32
-# With AVX2, steps of more rows (prompt chunks) are faster op by op, on oneDNN's GEMMs, than in the decoder stack
-# (docs/benchmarks.md).
-F32_AVX2_STACK_MAX_ROWS = 64
+# Steps of more rows (prompt chunks) are faster op by op, on oneDNN's GEMMs, than in the float32 decoder stack:
+# 6-9% on AVX2, 2-3% on AVX-512 (docs/benchmarks.md).
+F32_STACK_MAX_ROWS = 64
 
 
 # gemm(x, x_stride, packed, bias, out, rows, n, k, num_threads), every native GEMM.
@@ -102,9 +102,7 @@ class NativeKernels:
             self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
             self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
             self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
-            self.has_decoder_stack = True
-            if self.vector_isa == "avx2":
-                self.decoder_stack_max_rows = F32_AVX2_STACK_MAX_ROWS
+            self.has_decoder_stack, self.decoder_stack_max_rows = True, F32_STACK_MAX_ROWS
             self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
                                         *_DECODER_STACK_ARGTYPES)
         else:

@@ -38,7 +38,7 @@ def native(request: pytest.FixtureRequest) -> NativeKernels:
 def test_paths_are_the_vector_width_of_the_level(native: NativeKernels) -> None:
     vector = "native_avx512" if level_at_least(native.level, "avx512") else "native_avx2"
     gemm = f"{vector} (every row count in the decoder stack; op by op up to 32 rows, else torch)"
-    stack = vector if vector == "native_avx512" else f"{vector} (steps of up to 64 rows, else op by op)"
+    stack = f"{vector} (steps of up to 64 rows, else op by op)"
     assert kernel_paths(native) == {"gemm": gemm, "attention_decode": vector, "attention_prefill": vector,
                                     "fused_ops": vector, "decoder_stack": stack}
 
