@@ -35,6 +35,15 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
+    """`library`'s function `name`, taking `argtypes` and returning nothing (every ember kernel writes its
+    results into buffers it is given)."""
+    function = getattr(library, name)
+    function.argtypes = list(argtypes)
+    function.restype = None
+    return function
+
+
 @functools.cache
 def load_kernel(source_name: str, defines: tuple[tuple[str, int], ...], level: str) -> ctypes.CDLL:
     """The library built from SOURCE_DIR/source_name with -D<name>=<value> for each of `defines`, for the ISA

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from ember.errors import EmberError
-from ember.kernels.build import KernelBuildError, load_kernel
+from ember.kernels.build import KernelBuildError, bind, load_kernel
 from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,6 @@ _DECODER_STACK_ARGTYPES = (_pointer, _int, *(_pointer,) * 12, _int, _int, _point
                            _int64, _pointer, _pointer, *(_int,) * 5, _float, _float, _int)
 
 
-def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
-    function = getattr(library, name)
-    function.argtypes = list(argtypes)
-    function.restype = None
-    return function
-
-
 class NativeKernels:
     """The kernels for one model shape and `dtype` (bfloat16 or float32), built for ISA `level`
     (ember/kernels/cpu.py; at least "avx512" for bfloat16, "avx2" for float32).
@@ -86,32 +79,32 @@ class NativeKernels:
         suffix = "_f32" if float32 else ""
         attention = load_kernel("paged_attention_f32.c" if float32 else "paged_decode_attention.c", shape, level)
         fused = load_kernel(f"fused_ops{suffix}.c", (), level)
-        self._decode = _bind(attention, f"paged_decode_attention{suffix}", _pointer, _int64, _pointer, _pointer,
-                             _int64, _pointer, _pointer, _int, _int, _int, _float, _int)
-        self._add_rms_norm = _bind(fused, f"add_rms_norm{suffix}", _pointer, _pointer, _pointer, _pointer, _int64,
-                                   _int64, _float, _int)
-        self._silu_and_mul = _bind(fused, f"silu_and_mul{suffix}", _pointer, _pointer, _int64, _int64, _int)
-        self._rotary_and_cache = _bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
-                                       _pointer, _int64, _int, _int, _int, _int)
+        self._decode = bind(attention, f"paged_decode_attention{suffix}", _pointer, _int64, _pointer, _pointer,
+                            _int64, _pointer, _pointer, _int, _int, _int, _float, _int)
+        self._add_rms_norm = bind(fused, f"add_rms_norm{suffix}", _pointer, _pointer, _pointer, _pointer, _int64,
+                                  _int64, _float, _int)
+        self._silu_and_mul = bind(fused, f"silu_and_mul{suffix}", _pointer, _pointer, _int64, _int64, _int)
+        self._rotary_and_cache = bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
+                                      _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
         self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
         self.has_decoder_stack = self.has_prefill_attention = False
         self.decoder_stack_max_rows = ANY_ROWS  # larger steps run op by op
         if float32:
             self.has_prefill_attention = True
-            self._prefill = _bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
+            self._prefill = bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
             self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
-            self._gemm = _bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
+            self._gemm = bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
             self.has_decoder_stack, self.decoder_stack_max_rows = True, F32_STACK_MAX_ROWS
-            self._decoder_stack = _bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
-                                        *_DECODER_STACK_ARGTYPES)
+            self._decoder_stack = bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
+                                       *_DECODER_STACK_ARGTYPES)
         else:
             self._bind_bfloat16_only(fused, shape, level, gemm)
 
     def _bind_bfloat16_only(self, fused: ctypes.CDLL, shape: tuple[tuple[str, int], ...], level: str,
                             gemm: str) -> None:
-        self._argmax = _bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
-        self._apply_token_bitmask = _bind(
+        self._argmax = bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
+        self._apply_token_bitmask = bind(
             fused, "apply_token_bitmask_bf16_rows", _pointer, _pointer, _pointer, _int64, _int64, _int64, _int
         )
         for name in [name for name in NATIVE_GEMMS if gemm in ("auto", name) and level_at_least(level, name)]:
@@ -119,17 +112,17 @@ class NativeKernels:
             library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
                 self.gemm_name, self.gemm_max_rows, self._gemm_capacity = name, max_rows, max_rows
-                self._gemm = _bind(library, source[:-2], *_GEMM_ARGTYPES)
+                self._gemm = bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
         if self.gemm_name == "amx":
             prefill = load_kernel("paged_prefill_attention.c", shape, level)
             self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
-            self._prefill = _bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
+            self._prefill = bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
-            self._decoder_stack = _bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
-                                        *_DECODER_STACK_ARGTYPES)
+            self._decoder_stack = bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
+                                       *_DECODER_STACK_ARGTYPES)
 
     @property
     def has_quantized_decoder_stack(self) -> bool:
@@ -141,7 +134,7 @@ class NativeKernels:
         """decoder_stack_quant.c's stack (quantized Linear weights), built on first use: only quantized models
         call it."""
         library = load_kernel("decoder_stack_quant.c", self._shape, self.level)
-        return _bind(library, "decoder_stack_quant", *_DECODER_STACK_ARGTYPES)
+        return bind(library, "decoder_stack_quant", *_DECODER_STACK_ARGTYPES)
 
     def paged_decode_attention(
         self,

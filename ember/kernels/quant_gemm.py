@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.errors import EmberError
-from ember.kernels.build import KernelBuildError, load_kernel
+from ember.kernels.build import KernelBuildError, bind, load_kernel
 from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
 from ember.kernels.quantized_weight import QuantizedWeight
 
@@ -25,13 +25,6 @@ _DESCRIPTOR_FIELDS = 7  # quant_gemm.c's quant_linear: seven 8-byte fields
 GEMV_MAX_ROWS = 16
 
 
-def _bind(library: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
-    function = getattr(library, name)
-    function.argtypes = list(argtypes)
-    function.restype = None
-    return function
-
-
 class QuantGemm:
     """quant_gemm.c built for ISA `level` (at least "avx2"); `dot_product` names the instruction it uses."""
 
@@ -39,7 +32,7 @@ class QuantGemm:
         self.level = level
         library = load_kernel("quant_gemm.c", (), level)
         self.dot_product = "vnni" if library.quant_gemm_uses_vnni() else "avx2_maddubs"
-        self._gemm = _bind(
+        self._gemm = bind(
             library,
             "quant_gemm",
             _int,
@@ -58,10 +51,10 @@ class QuantGemm:
         )
         self._scratch_bytes = library.quant_linear_scratch_bytes
         self._scratch_bytes.argtypes, self._scratch_bytes.restype = [_int64, _int64], _int64
-        self._init_descriptor = _bind(
+        self._init_descriptor = bind(
             library, "quant_linear_init", _pointer, _int, _pointer, _pointer, _pointer, _pointer, _int64, _int64
         )
-        self._dequantize = _bind(
+        self._dequantize = bind(
             library,
             "dequantize_weight",
             _int,
@@ -110,8 +103,8 @@ class QuantGemm:
             rows,
             weight.values.data_ptr(),
             weight.scales.data_ptr(),
-            _address(weight.mins),
-            _address(bias),
+            tensor_address(weight.mins),
+            tensor_address(bias),
             out.data_ptr(),
             n,
             k,
@@ -131,7 +124,7 @@ class QuantGemm:
                 _FORMAT_CODES[weight.format],
                 weight.values.data_ptr(),
                 weight.scales.data_ptr(),
-                _address(weight.mins),
+                tensor_address(weight.mins),
                 scratch.data_ptr(),
                 max_rows,
                 max_k,
@@ -147,7 +140,7 @@ class QuantGemm:
             _FORMAT_CODES[weight.format],
             weight.values.data_ptr(),
             weight.scales.data_ptr(),
-            _address(weight.mins),
+            tensor_address(weight.mins),
             out.data_ptr(),
             direct == torch.bfloat16,
             n,
@@ -169,7 +162,8 @@ class LinearDescriptors(NamedTuple):
         return self.table.data_ptr() + index * self.table.stride(0) * self.table.element_size()
 
 
-def _address(tensor: torch.Tensor | None) -> int:
+def tensor_address(tensor: torch.Tensor | None) -> int:
+    """The address a C kernel takes for an optional tensor: its data, or NULL."""
     return 0 if tensor is None else tensor.data_ptr()
 
 

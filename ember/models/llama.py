@@ -19,7 +19,7 @@ from torch import nn
 from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
 from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
-from ember.kernels.quant_gemm import GEMV_MAX_ROWS, LinearDescriptors
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, LinearDescriptors, tensor_address
 from ember.kernels.quantized_weight import QuantizedWeight, cat_rows
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
@@ -230,8 +230,8 @@ class LlamaForCausalLM(nn.Module):
                 for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                     attn = layer.self_attn
                     qkv, o, gate_up, down = weights[4 * index : 4 * index + 4]
-                    rows.append([layer.input_layernorm.weight.data_ptr(), qkv, _address(attn.qkv_proj.bias), o,
-                                 _address(attn.o_proj.bias), layer.post_attention_layernorm.weight.data_ptr(),
+                    rows.append([layer.input_layernorm.weight.data_ptr(), qkv, tensor_address(attn.qkv_proj.bias), o,
+                                 tensor_address(attn.o_proj.bias), layer.post_attention_layernorm.weight.data_ptr(),
                                  gate_up, down, kv_cache.data_ptr()])
                 config = self.config
                 shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
@@ -312,7 +312,3 @@ class LlamaForCausalLM(nn.Module):
         still_meta = [name for name, p in self.named_parameters() if p.is_meta]
         if still_meta:
             raise ModelLoadError(f"parameters left unloaded: {', '.join(still_meta[:5])}")
-
-
-def _address(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
