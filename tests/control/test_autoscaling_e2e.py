@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ember.control.autoscaling.policy import AutoscalingPolicy, observation_from_dict
 from ember.gateway.config import load_config
-from tests.conftest import stop_process
+from tests.conftest import free_port, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +34,6 @@ KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(condition, what: str, limit_s: float = 240.0):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def metric(url: str, name: str, **labels: str) -> float:

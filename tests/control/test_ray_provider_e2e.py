@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from ember.control.autoscaling.provider import GatewayAdmin, ReplicaState
 from ember.control.fleet import load_fleet
 from ember.gateway.admin import CONTROL_TOKEN_ENV
 from ember.gateway.config import FLEET_CREDENTIAL_ENV
+from tests.conftest import free_port
 
 ray = pytest.importorskip("ray")
 from ember.control.autoscaling.ray_provider import RayProvider  # noqa: E402 - needs ray
@@ -38,11 +38,6 @@ KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
 TOKEN = "control-token-for-the-ray-test"
 NAMESPACE = "ember-ray-test"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_for(condition, what: str, limit_s: float = 120.0):

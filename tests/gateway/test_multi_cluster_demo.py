@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import yaml
 from shared_stores import POSTGRES_DSN, REDIS_URL, require_stores, run_sql
 
 from ember.commands.up import default_fleet_path
-from tests.conftest import stop_process
+from tests.conftest import stop_process, wait_for
 
 KEY = "sk-ember-local"
 KEY_SHA256 = "0e660cf4eff39ab026fd7915157b788d06d1aa6ab43ce9afdc13241f1cf34271"
@@ -41,15 +40,6 @@ def free_ports(count: int) -> list[int]:
         sock.close()
     return ports
 
-
-def wait_for(condition, what: str, limit_s: float = 300.0):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 class MultiClusterFleet:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.gateway.scraper import parse_load_metrics
-from tests.conftest import stop_process
+from tests.conftest import free_port, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +33,6 @@ SYSTEM = (
 ) * 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(condition, what: str, limit_s: float = 300.0):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

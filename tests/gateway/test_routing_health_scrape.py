@@ -4,7 +4,6 @@ restarts on the same port."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from aiohttp import web
@@ -14,13 +13,7 @@ from ember.gateway.health import HealthProber
 from ember.gateway.proxy import UpstreamClient
 from ember.gateway.replicas import ReplicaPool
 from ember.gateway.scraper import MetricsScraper
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from tests.conftest import free_port
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -17,7 +17,8 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.test_routing_fleet_e2e import KEY, KEY_SHA256, free_port, scrape, wait_for
+from tests.conftest import free_port, wait_for
+from tests.gateway.test_routing_fleet_e2e import KEY, KEY_SHA256, scrape
 from tests.server.test_server_tensor_parallel import worker_pids
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import stop_process
+from tests.conftest import free_port, stop_process
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
