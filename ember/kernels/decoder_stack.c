@@ -4,7 +4,7 @@
 // Built with the HEAD_DIM and QUERIES_PER_KV of the attention kernels; needs AMX (amx_gemm.c).
 #include "amx_gemm.c"
 #include "fused_ops.c"
-#include "paged_decode_attention.c"
+#include "paged_attention.c"
 #include "paged_prefill_attention.c"
 
 #define STACK_T uint16_t

@@ -8,7 +8,7 @@
 // QUERIES_PER_KV of the attention kernels; needs AMX (paged_prefill_attention.c).
 #include "quant_gemm.c"
 #include "fused_ops.c"
-#include "paged_decode_attention.c"
+#include "paged_attention.c"
 #include "paged_prefill_attention.c"
 
 #define STACK_T uint16_t

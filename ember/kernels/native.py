@@ -1,9 +1,9 @@
 """ember's C kernels for one model shape (x86-64 CPUs; bfloat16 with AVX-512, float32 with AVX-512 or AVX2),
 called on torch tensors.
 
-- paged_decode_attention.c: decode attention read in place from the paged KV cache, replacing (for
-  single-token queries) the gather of every sequence's K/V into a padded batch followed by SDPA.
-- paged_prefill_attention.c (with AMX): the same for prompt chunks, causal, on AMX tiles.
+- paged_attention.c: decode and prompt-chunk (causal, row by row) attention read in place from the paged KV
+  cache on AVX-512 vectors, replacing the gather of every sequence's K/V into a padded batch followed by SDPA.
+- paged_prefill_attention.c (with AMX): prompt-chunk attention on AMX tiles instead.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
   them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
@@ -68,7 +68,9 @@ class NativeKernels:
     float32 has every kernel on AVX-512 or AVX2 vectors (`vector_isa`, also its `gemm_name`): decode and
     prompt-chunk attention, the fused ops, the GEMM and the decoder stack. bfloat16's native GEMM is `gemm`, a
     name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is
-    None (and `gemm_max_rows` 0) when none is. With AMX, prompt-chunk attention and the decoder stack too."""
+    None (and `gemm_max_rows` 0) when none is. bfloat16 has decode and prompt-chunk attention on AVX-512
+    vectors; with the AMX GEMM, prompt-chunk attention on AMX tiles (`prefill_isa` "amx") and the decoder stack
+    too."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
                  gemm: str = "auto") -> None:
@@ -77,22 +79,24 @@ class NativeKernels:
         shape = self._shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
         float32 = dtype == torch.float32
         suffix = "_f32" if float32 else ""
-        attention = load_kernel("paged_attention_f32.c" if float32 else "paged_decode_attention.c", shape, level)
+        attention = load_kernel("paged_attention_f32.c" if float32 else "paged_attention.c", shape, level)
         fused = load_kernel(f"fused_ops{suffix}.c", (), level)
         self._decode = bind(attention, f"paged_decode_attention{suffix}", _pointer, _int64, _pointer, _pointer,
                             _int64, _pointer, _pointer, _int, _int, _int, _float, _int)
         self._add_rms_norm = bind(fused, f"add_rms_norm{suffix}", _pointer, _pointer, _pointer, _pointer, _int64,
                                   _int64, _float, _int)
+        # Prompt chunks' attention: the vectors' (bfloat16's is AVX-512 code), unless AMX tiles take it.
+        self.prefill_isa = self.vector_isa
+        prefill = "paged_prefill_attention_f32" if float32 else "paged_prefill_attention_avx512"
+        self._prefill = bind(attention, prefill, *_PREFILL_ARGTYPES)
         self._silu_and_mul = bind(fused, f"silu_and_mul{suffix}", _pointer, _pointer, _int64, _int64, _int)
         self._rotary_and_cache = bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                       _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
         self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
-        self.has_decoder_stack = self.has_prefill_attention = False
+        self.has_decoder_stack = False
         self.decoder_stack_max_rows = ANY_ROWS  # larger steps run op by op
         if float32:
-            self.has_prefill_attention = True
-            self._prefill = bind(attention, "paged_prefill_attention_f32", *_PREFILL_ARGTYPES)
             self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
             self._gemm = bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
             self.has_decoder_stack, self.decoder_stack_max_rows = True, F32_STACK_MAX_ROWS
@@ -118,8 +122,9 @@ class NativeKernels:
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
         if self.gemm_name == "amx":
             prefill = load_kernel("paged_prefill_attention.c", shape, level)
-            self.has_prefill_attention = bool(prefill.paged_prefill_attention_supported())
-            self._prefill = bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
+            if prefill.paged_prefill_attention_supported():
+                self.prefill_isa = "amx"
+                self._prefill = bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
         if self.has_decoder_stack:
             self._decoder_stack = bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
                                        *_DECODER_STACK_ARGTYPES)
@@ -164,8 +169,8 @@ class NativeKernels:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of prompt chunks (needs has_prefill_attention): q [T, heads, D] (any row stride),
-        sequence i's queries being rows [query_starts[i], query_starts[i + 1]) (int64 [B + 1], starting at 0),
+        """Causal attention of prompt chunks: q [T, heads, D] (any row stride), sequence i's queries being
+        rows [query_starts[i], query_starts[i + 1]) (int64 [B + 1], starting at 0),
         its last new tokens, already in kv_cache (one layer's [blocks, block_size, 2, kv_heads, D]);
         block_tables [B, max_blocks] and context_lens [B] (keys per sequence, new ones included), int64
         -> [T, heads * D]."""
@@ -284,10 +289,10 @@ class NativeKernels:
     ) -> torch.Tensor:
         """Every decoder layer for one step and the final norm: embeddings [rows, hidden] (overwritten: the
         residual stream) -> final-normed hidden [rows, hidden]. The first rows are `decodes` (one new token
-        per sequence), the rest `chunks` (prompt chunks; needs has_prefill_attention), as the attention
-        kernels take them. layers: [num_layers, 9] int64 pointers, per layer (decoder_stack_body.h's
-        layer_tensors): input norm, qkv weight, qkv bias or 0, o weight, o bias or 0, post-attention norm,
-        gate_up weight, down weight, that layer's KV cache; the weights packed for the native GEMM, or with
+        per sequence), the rest `chunks` (prompt chunks), as the attention kernels take them. layers:
+        [num_layers, 9] int64 pointers, per layer (decoder_stack_body.h's layer_tensors): input norm, qkv
+        weight, qkv bias or 0, o weight, o bias or 0, post-attention norm, gate_up weight, down weight, that
+        layer's KV cache; the weights packed for the native GEMM, or with
         `quantized` quant_gemm.c's quant_linear descriptors (QuantGemm.descriptors, whose scratch must hold
         `rows` rows). Writes the step's K/V into the caches, like the op-by-op path."""
         rows, hidden = embeddings.shape
@@ -355,9 +360,6 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
         if native.gemm_max_rows < ANY_ROWS:
             in_stack = "every row count in the decoder stack; op by op " if native.has_decoder_stack else ""
             gemm += f" ({in_stack}up to {native.gemm_max_rows} rows, else torch)"
-    prefill = "torch"
-    if native.has_prefill_attention:
-        prefill = vector if native.dtype == torch.float32 else "native_amx"
     stack = "off"
     if native.has_decoder_stack:
         stack = vector if native.dtype == torch.float32 else "native_amx"
@@ -366,7 +368,7 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
     return {
         "gemm": gemm,
         "attention_decode": vector,
-        "attention_prefill": prefill,
+        "attention_prefill": f"native_{native.prefill_isa}",
         "fused_ops": vector,
         "decoder_stack": stack,
     }

@@ -12,8 +12,8 @@ decodes fold the query heads sharing a KV head into the query axis, prefill chun
 mode.
 
 Where ember's native kernels run (ember/kernels/native.py), all single-token queries of a step
-form one group that the kernel answers reading K/V in place: no gather, no padding, no mask. Where they
-include the AMX prefill attention, so do all prompt chunks of a step."""
+form one group that the kernel answers reading K/V in place: no gather, no padding, no mask; so do all
+prompt chunks of a step."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def build_attention_metadata(
     and consecutive multi-token spans prefill groups, each gathering at most MAX_GROUP_KV_SLOTS padded K/V
     slots; callers put decodes first, sorted by context length, so a group's sequences pad little. With
     `native` kernels, consecutive single-token spans form one group whatever their size (nothing is gathered),
-    and so do consecutive prompt chunks where `native` has the prefill attention."""
+    and so do consecutive prompt chunks."""
     slots = []
     for span in spans:
         positions = np.arange(span.num_computed_tokens, span.num_computed_tokens + span.num_new_tokens)
@@ -86,7 +86,7 @@ def build_attention_metadata(
     token_start = 0
     while start < len(spans):
         is_decode = spans[start].num_new_tokens == 1
-        in_place = native is not None and (is_decode or native.has_prefill_attention)
+        in_place = native is not None
         num_blocks = _num_context_blocks(spans[start], block_size)
         end = start + 1
         while end < len(spans) and (spans[end].num_new_tokens == 1) == is_decode:

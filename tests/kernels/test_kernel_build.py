@@ -42,17 +42,17 @@ def test_build_is_cached_per_source_and_shape(monkeypatch: pytest.MonkeyPatch, t
     if not level_at_least(cpu_isa_level(), "avx512"):
         pytest.skip("the kernels are AVX-512 code: this CPU cannot compile them")
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    load_kernel.__wrapped__("paged_decode_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), "avx512")
-    (built,) = (tmp_path / "kernels").glob("paged_decode_attention-*.so")
+    load_kernel.__wrapped__("paged_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), "avx512")
+    (built,) = (tmp_path / "kernels").glob("paged_attention-*.so")
     stamp = built.stat().st_mtime_ns
-    load_kernel.__wrapped__("paged_decode_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), "avx512")
+    load_kernel.__wrapped__("paged_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), "avx512")
     assert built.stat().st_mtime_ns == stamp  # reused, not rebuilt
-    load_kernel.__wrapped__("paged_decode_attention.c", (("HEAD_DIM", 128), ("QUERIES_PER_KV", 1)), "avx512")
-    assert len(list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))) == 2
+    load_kernel.__wrapped__("paged_attention.c", (("HEAD_DIM", 128), ("QUERIES_PER_KV", 1)), "avx512")
+    assert len(list((tmp_path / "kernels").glob("paged_attention-*.so"))) == 2
     assert not list((tmp_path / "kernels").glob("tmp*"))  # no partial builds left behind
     if cpu_isa_level() != "avx512":  # the CPU's own level builds with -march=native, a lower one with its own
-        load_kernel.__wrapped__("paged_decode_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), cpu_isa_level())
-        assert len(list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))) == 3
+        load_kernel.__wrapped__("paged_attention.c", (("HEAD_DIM", 64), ("QUERIES_PER_KV", 3)), cpu_isa_level())
+        assert len(list((tmp_path / "kernels").glob("paged_attention-*.so"))) == 3
 
 
 def test_forced_level_above_the_cpu_is_an_error() -> None:
@@ -70,7 +70,8 @@ def test_forced_lower_level_drops_the_kernels_it_lacks() -> None:
         pytest.skip("no AVX-512 or no C compiler")
     kernels = load_native_kernels("avx512", CPU, torch.bfloat16, (576, 1536), 64, 3)
     assert kernels.level == "avx512"
-    assert kernels.gemm_name is None and not kernels.has_prefill_attention and not kernels.has_decoder_stack
+    assert kernels.gemm_name is None and not kernels.has_decoder_stack
+    assert kernels.prefill_isa == "avx512"  # prompt chunks row by row on vectors, not on AMX tiles
     with pytest.raises(EmberError, match="the bfloat16 kernels need AVX-512 and the ISA level is avx2"):
         load_native_kernels("avx2", CPU, torch.bfloat16, (576, 1536), 64, 3)
 

@@ -24,14 +24,15 @@ def exact_chunk_attention(
 ) -> Iterator[tuple[int, tuple[int, int, int], torch.Tensor]]:
     """Causal attention in float64 for each query row of prompt chunks (cached, new) over their paged K/V
     (already written to `cache`): yields (row, (cached, new, position), exact output of that row)."""
-    flat = cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    heads, (kv_heads, head_dim) = q.shape[1], cache.shape[-2:]
+    flat = cache.view(-1, 2, kv_heads, head_dim)
     row = 0
     for (cached, new), table in zip(chunks, tables, strict=True):
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached + new)]
         keys, values = flat[slots, 0].double(), flat[slots, 1].double()
         for position in range(cached, cached + new):
-            query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * HEAD_DIM**-0.5
+            query = q[row].double().view(kv_heads, heads // kv_heads, head_dim)
+            scores = torch.einsum("ghd,tgd->ght", query, keys[: position + 1]) * head_dim**-0.5
             exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values[: position + 1]).reshape(-1)
             yield row, (cached, new, position), exact
             row += 1
@@ -46,7 +47,8 @@ def native() -> NativeKernels:
     return kernels
 
 
-def scrambled_paged_cache(lengths: list[int], seed: int) -> tuple[list[list[int]], torch.Tensor]:
+def scrambled_paged_cache(lengths: list[int], seed: int, kv_heads: int = KV_HEADS
+                          ) -> tuple[list[list[int]], torch.Tensor]:
     """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and a random cache."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -56,7 +58,7 @@ def scrambled_paged_cache(lengths: list[int], seed: int) -> tuple[list[list[int]
     for count in blocks_needed:
         tables.append(physical[start : start + count].tolist())
         start += count
-    return tables, torch.randn(len(physical), BLOCK, 2, KV_HEADS, HEAD_DIM).bfloat16()
+    return tables, torch.randn(len(physical), BLOCK, 2, kv_heads, HEAD_DIM).bfloat16()
 
 
 def random_qkv(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,8 +151,6 @@ def test_paged_decode_attention_matches_exact_attention(native: NativeKernels, c
 def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, chunks: list[tuple[int, int]]) -> None:
     """Prompt chunks with and without cached context before them, of every length modulo the kernel's
     16-query and 32-key blocks, with scrambled block tables; each query sees the keys up to its own."""
-    if not native.has_prefill_attention:
-        pytest.skip("the prefill attention needs AMX")
     tables, cache = scrambled_paged_cache([cached + new for cached, new in chunks], seed=5)
     spans = [SequenceSpan(cached, new, table) for (cached, new), table in zip(chunks, tables, strict=True)]
     q, k, v = random_qkv(sum(new for _, new in chunks))
@@ -161,6 +161,31 @@ def test_paged_prefill_attention_matches_exact_attention(native: NativeKernels, 
     for row, case, exact in exact_chunk_attention(q, cache, chunks, tables):
         # bfloat16 output, and probabilities rounded to bfloat16 before P V (as PyTorch's CPU flash attention).
         assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-7, case
+
+
+@pytest.mark.parametrize("kv_heads", [KV_HEADS, HEADS], ids=["3-queries-per-kv", "1-query-per-kv"])
+@pytest.mark.parametrize("chunks", [
+    [(0, 1)], [(0, 5)], [(0, 16)], [(0, 33)], [(40, 33)],  # one sequence (one row: split by KV head)
+    [(0, 5), (17, 16), (100, 33), (3, 1), (64, 16), (0, 33)],  # several, prefix cached or not
+])
+def test_avx512_prefill_attention_matches_exact_attention(native: NativeKernels, kv_heads: int,
+                                                          chunks: list[tuple[int, int]]) -> None:
+    """paged_attention.c's row-by-row prompt-chunk attention, the one CPUs without AMX run, at a forced AVX-512
+    level (also where AMX would take over): each query row sees the keys up to its own, read in place."""
+    kernels = NativeKernels(HEAD_DIM, HEADS // kv_heads, "avx512")  # `native` only skips CPUs without AVX-512
+    assert kernels.prefill_isa == "avx512"
+    tables, cache = scrambled_paged_cache([cached + new for cached, new in chunks], seed=6, kv_heads=kv_heads)
+    qkv = torch.randn(sum(new for _, new in chunks), (HEADS + 2 * kv_heads) * HEAD_DIM).bfloat16()
+    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)  # strided rows, as in the model
+    max_blocks = max(len(table) for table in tables)
+    block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables])
+    query_starts = torch.tensor([0, *np.cumsum([new for _, new in chunks])])
+    context_lens = torch.tensor([cached + new for cached, new in chunks])
+    out = kernels.paged_prefill_attention(q, cache, block_tables, query_starts, context_lens, HEAD_DIM**-0.5)
+
+    for row, case, exact in exact_chunk_attention(q, cache, chunks, tables):
+        # bfloat16 output (probabilities stay float32): half a unit in the last place, plus float32 noise.
+        assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6, case
 
 
 @pytest.mark.parametrize(("gemm", "rows"), [("avx512_bf16", rows) for rows in (1, 2, 3, 4)]

@@ -15,8 +15,8 @@ from tests.conftest import build_tiny_model_dir
 
 TORCH_PATHS = {"gemm": "torch", "attention_decode": "torch", "attention_prefill": "torch", "fused_ops": "torch",
                "decoder_stack": "off"}
-# A forced AVX-512 level: attention and fused ops native, the GEMMs (AMX or AVX512-BF16) and what needs AMX not.
-AVX512_PATHS = {"gemm": "torch", "attention_decode": "native_avx512", "attention_prefill": "torch",
+# A forced AVX-512 level: attention and fused ops native, the GEMMs (AMX or AVX512-BF16) and the stack not.
+AVX512_PATHS = {"gemm": "torch", "attention_decode": "native_avx512", "attention_prefill": "native_avx512",
                 "fused_ops": "native_avx512", "decoder_stack": "off"}
 
 
