@@ -1,6 +1,7 @@
-"""The real SmolLM2 in bfloat16 with ember's native kernels, with and without speculative decoding, against
-the same engine on PyTorch ops only: greedy continuations agree token for token, with logprobs within
-bfloat16 rounding, until (at most) a step where the PyTorch path's top two candidates were a near-tie."""
+"""The real SmolLM2 in bfloat16 with ember's native kernels, with and without speculative decoding, and forced
+to each lower ISA level this CPU runs (without AMX, prompt chunks attend on AVX-512 vectors), against the same
+engine on PyTorch ops only: greedy continuations agree token for token, with logprobs within bfloat16
+rounding, until (at most) a step where the PyTorch path's top two candidates were a near-tie."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.kernels.cpu import cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
 
 TEXTS = [
@@ -21,6 +23,9 @@ MAX_NEW = 24
 LOGPROB_TOLERANCE = 0.25
 
 
+# The CPU's own level ("native"), then the bfloat16 levels below it.
+KERNELS = ["native", *(level for level in ("avx512_bf16", "avx512")
+                       if level != cpu_isa_level() and level_at_least(cpu_isa_level(), level))]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -29,12 +34,14 @@ def greedy(model: Path, kernels: str, speculative_config: dict | None = None) ->
     llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False,
               max_num_seqs=3, speculative_config=speculative_config)
     runner = llm.engine.runner
-    assert (runner.native is not None) == (kernels == "native")
+    assert (runner.native is not None) == (kernels != "torch")
+    if runner.native is not None:  # prompt chunks attend in place, on AMX tiles or AVX-512 vectors
+        assert runner.kernel_paths["attention_prefill"] in ("native_amx", "native_avx512")
     if runner.native is not None and runner.native.gemm_name is not None:
         assert runner.model.lm_head.gemm_weight is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
     outputs = [result.outputs[0] for result in llm.generate(TEXTS, params)]
-    if speculative_config is not None:  # drafts were verified, on the prompt-chunk attention where AMX runs
+    if speculative_config is not None:  # drafts were verified, on the prompt-chunk attention
         assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
     return outputs
 
@@ -48,9 +55,10 @@ def reference(smollm2_gguf_path: Path) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
-def test_native_kernels_follow_the_torch_path(smollm2_gguf_path: Path, reference: list,
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_native_kernels_follow_the_torch_path(smollm2_gguf_path: Path, reference: list, kernels: str,
                                               speculative_config: dict | None) -> None:
-    native = greedy(smollm2_gguf_path, "native", speculative_config)
+    native = greedy(smollm2_gguf_path, kernels, speculative_config)
     identical = 0
     for expected, got in zip(reference, native, strict=True):
         for step, (token, other) in enumerate(zip(expected.token_ids, got.token_ids, strict=True)):
