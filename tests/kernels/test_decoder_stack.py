@@ -69,7 +69,11 @@ def generate(model_dir: Path, dtype: str, kernels: str, use_stack: bool, prompts
               max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, quantization=quantization)
     counts = count_stack_calls(llm)
     if not use_stack:
-        llm.engine.runner.model.native = None  # the layers keep their kernels: the op-by-op native path
+        native = llm.engine.runner.model.native
+        # The layers keep their kernels (the op-by-op native path), their Linear layers on the stack's GEMM at
+        # every row count: past gemm_max_rows they would run oneDNN's, whose order of sums varies by CPU.
+        native.gemm_max_rows = native.decoder_stack_max_rows
+        llm.engine.runner.model.native = None
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outputs = [result.outputs[0] for result in llm.generate(prompts, params)]
     return outputs, *counts()
