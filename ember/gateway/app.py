@@ -4,12 +4,13 @@ The two proxy routes (/v1/chat/completions, /v1/completions) are the hot path an
 lean raw-ASGI handler (JSON parsed once with orjson, the body forwarded as received when possible,
 SSE written event by event). Everything else (/v1/models, /v1/usage, /health, /ready, /metrics,
 /admin/*, and routes that extensions such as async jobs add) is an ordinary FastAPI app behind it.
-Errors use OpenAI's shape everywhere.
+Errors use OpenAI's shape everywhere, an unexpected exception's too (a 500 whose traceback goes to the log).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from ember.gateway.admin import build_admin_router, require_admin
 from ember.gateway.config import GatewayConfig
 from ember.gateway.console.routes import build_console_router
 from ember.gateway.dispatch import Dispatcher
-from ember.gateway.errors import GatewayError, bad_request
+from ember.gateway.errors import GatewayError, bad_request, internal_error
 from ember.gateway.proxy import UpstreamResult
 from ember.gateway.request_body import parse_json_object
 from ember.gateway.shared.connection import state_unavailable
@@ -38,6 +39,8 @@ from ember.http_rules import (
 
 if TYPE_CHECKING:
     from ember.gateway.extensions import ExtensionFactory, GatewayExtension
+
+logger = logging.getLogger("ember.gateway")
 
 PROXY_ROUTES = {b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions"}
 # POST routes of the FastAPI side whose body is JSON (/v1/files takes a multipart upload).
@@ -157,15 +160,16 @@ class GatewayApp:
                 result = await held_stream.dispatch(dispatching)
             else:
                 result = await dispatching
-        except GatewayError as exc:
+        except ClientDisconnected:
+            return
+        except Exception as exc:
+            error = exc if isinstance(exc, GatewayError) else unexpected_error(scope["method"], scope["path"], exc)
             if watcher is not None:
                 watcher.stop()
             if held_stream is not None and held_stream.opened:  # no status line left: the error is the last event
-                await send({"type": "http.response.body", "body": sse.data_event(exc.to_json())})
+                await send({"type": "http.response.body", "body": sse.data_event(error.to_json())})
             else:
-                await send_error(send, exc)
-            return
-        except ClientDisconnected:
+                await send_error(send, error)
             return
         except asyncio.CancelledError:
             if watcher is not None and watcher.fired:
@@ -293,6 +297,12 @@ async def send_error(send: Callable, exc: GatewayError) -> None:
     await send({"type": "http.response.body", "body": exc.to_json()})
 
 
+def unexpected_error(method: str, path: str, exc: Exception) -> GatewayError:
+    """An exception no handler expects (a bug): logged with its traceback, answered as OpenAI's 500."""
+    logger.error("unhandled error on %s %s", method, path, exc_info=exc)
+    return internal_error()
+
+
 def check_json_content_type(content_type: bytes | None) -> None:
     """ember.http_rules' Content-Type rule for a JSON route, as a GatewayError."""
     value = None if content_type is None else content_type.decode("latin-1")
@@ -350,6 +360,14 @@ def build_api(dispatcher: Dispatcher, extensions: Sequence[GatewayExtension]) ->
             else str(exc.detail)
         )
         return error_response(GatewayError(exc.status_code, message, code=code))
+
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        response = error_response(unexpected_error(request.method, request.url.path, exc))
+        # Starlette raises the exception again once this is sent, and uvicorn then closes the connection:
+        # said here, a keep-alive client does not send its next request on it.
+        response.headers["connection"] = "close"
+        return response
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

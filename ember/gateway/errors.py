@@ -37,3 +37,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str, code: str = "no_healthy_replica") -> GatewayError:
     return GatewayError(503, message, "service_unavailable", code)
+
+
+def internal_error() -> GatewayError:
+    """What a client gets for an exception nothing expected: OpenAI's shape, as `ember serve` answers it,
+    and no traceback (that goes to the gateway log)."""
+    return GatewayError(500, "Internal server error; see the gateway log", "server_error", "internal_error")

@@ -7,6 +7,7 @@ failure after the first event ends the stream with an error event, never a hang.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,6 +19,8 @@ from ember.gateway.http_client import ConnectTimeout, HttpClient, UpstreamRespon
 from ember.gateway.replicas import Replica
 from ember.side_client import side_client
 from ember.sse import DONE_DATA
+
+logger = logging.getLogger("ember.gateway")
 
 ENDPOINT_PATHS = {"chat/completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
 
@@ -37,11 +40,10 @@ class UpstreamFailure(Exception):
         self.body = body
 
 
-UPSTREAM_ERRORS = (OSError, TimeoutError)  # ConnectionError and socket.gaierror are OSErrors
-
-
-def classify(exc: BaseException) -> UpstreamFailure:
-    """Map a client exception to a failure with a short reason (a metrics label)."""
+def classify(exc: Exception) -> UpstreamFailure:
+    """Map an exception met while talking to a replica to a failure with a short reason (a metrics
+    label). Every exception is one: whatever fails before the first byte reached the client (an OSError
+    or anything else the client or event loop raises) is retried on another replica, never a 500."""
     if isinstance(exc, TimeoutError):
         return UpstreamFailure("timeout", "timed out waiting for the replica", eject_now=False)
     if isinstance(exc, ConnectionRefusedError | ConnectTimeout):
@@ -52,6 +54,7 @@ def classify(exc: BaseException) -> UpstreamFailure:
         )
     if isinstance(exc, OSError):
         return UpstreamFailure("connect_error", f"cannot connect: {exc}", eject_now=True)
+    logger.warning("unexpected error talking to a replica (counted as its failure)", exc_info=exc)
     return UpstreamFailure("error", f"{type(exc).__name__}: {exc}", eject_now=False)
 
 
@@ -83,7 +86,7 @@ class UpstreamClient:
         """Send the request; response headers received. Raises UpstreamFailure."""
         try:
             return await self._http.post_json(replica.url, ENDPOINT_PATHS[endpoint], body, replica.api_key)
-        except UPSTREAM_ERRORS as exc:
+        except Exception as exc:
             raise classify(exc) from None
 
 
@@ -187,7 +190,7 @@ class UpstreamResult:
             while True:
                 try:
                     chunk = await response.readany()
-                except UPSTREAM_ERRORS as exc:
+                except Exception as exc:
                     self.failure = classify(exc)
                     outcome = "error"
                     yield stream_error_payload(f"The replica failed mid-stream ({self.failure.detail}).")
@@ -241,7 +244,7 @@ async def read_first_events(response: UpstreamResponse, parser: SSEParser) -> li
     while True:
         try:
             chunk = await response.readany()
-        except UPSTREAM_ERRORS as exc:
+        except Exception as exc:
             raise classify(exc) from None
         if not chunk:
             raise UpstreamFailure("disconnected", "stream ended before its first event", eject_now=False)
@@ -253,6 +256,6 @@ async def read_first_events(response: UpstreamResponse, parser: SSEParser) -> li
 async def read_body(response: UpstreamResponse) -> bytes:
     try:
         return await response.read()
-    except UPSTREAM_ERRORS as exc:
+    except Exception as exc:
         response.close()
         raise classify(exc) from None

@@ -243,3 +243,23 @@ def test_pooled_connections_a_restarted_replica_closed_are_not_failures(start_ga
         assert gateway.dispatcher.pool.get("bouncy").healthy
     finally:
         replica.stop()
+
+
+def test_an_error_other_than_an_oserror_before_the_first_byte_is_retried_on_another_replica(start_gateway):
+    first, second = FakeReplica("first").start(), FakeReplica("second").start()
+    try:
+        config = gateway_config(
+            {"tiny": two_replica_model(first.url, second.url)}, [dict(KEY)], health=SLOW_PROBES
+        )
+        gateway = start_gateway(config)  # both admitted by the first round of probes
+        # An address the client refuses with a ValueError (port out of range), not a connection error.
+        broken = gateway.dispatcher.pool.get("first")
+        gateway.server.call(lambda: setattr(broken, "url", "http://127.0.0.1:70000"))
+        responses = [chat(gateway), chat(gateway, stream=True), chat(gateway), chat(gateway, stream=True)]
+        assert [response.status_code for response in responses] == [200] * 4
+        assert {response.headers["x-ember-replica"] for response in responses} == {"second"}
+        assert len(second.requests) == 4
+        assert gateway.metric("ember_gateway_retries_total", model="tiny", reason="error") >= 1
+    finally:
+        first.stop()
+        second.stop()

@@ -135,3 +135,46 @@ def test_a_client_leaving_mid_stream_aborts_the_replica_request(replicas, start_
     wait_until(lambda: replica.outstanding == 0, what="the slot to be released")
     assert gateway.metric("ember_gateway_requests_total", model="tiny", key="ci", replica="a", status="stream_cancelled") == 1
     a.release()
+
+
+INTERNAL_ERROR = {
+    "error": {
+        "message": "Internal server error; see the gateway log",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+}
+
+
+def test_an_unexpected_exception_is_an_openai_500_with_its_traceback_in_the_log(replicas, start_gateway, caplog):
+    a, _ = replicas
+    gateway = start_gateway(gateway_config({"tiny": model_config(a)}, [dict(KEY)]))
+    raised: list[str] = []
+
+    def buggy_listener(event: str, replica) -> None:  # a bug on the proxy path, once
+        if event == "release" and not raised:
+            raised.append(event)
+            raise RuntimeError("a bug in a pool listener")
+
+    async def buggy_route() -> None:  # a bug on the FastAPI side
+        raise RuntimeError("a bug in a route")
+
+    gateway.server.call(lambda: gateway.dispatcher.pool.add_listener(buggy_listener))
+    gateway.app.api.add_api_route("/buggy", buggy_route)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    proxied = http.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    routed = http.get(gateway.url + "/buggy", timeout=30)
+    for response in (proxied, routed):
+        assert response.status_code == 500
+        assert response.headers["content-type"] == "application/json"
+        assert response.json() == INTERNAL_ERROR
+    assert routed.headers["connection"] == "close"  # uvicorn closes it: the exception is raised again
+    logged = [record for record in caplog.records if record.message.startswith("unhandled error on")]
+    assert [record.message for record in logged] == [
+        "unhandled error on POST /v1/chat/completions",
+        "unhandled error on GET /buggy",
+    ]
+    assert [str(record.exc_info[1]) for record in logged] == ["a bug in a pool listener", "a bug in a route"]
+    # The gateway still serves.
+    assert http.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30).status_code == 200

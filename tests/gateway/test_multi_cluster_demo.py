@@ -224,6 +224,9 @@ def test_killed_cluster_gateways_leave_their_cluster_or_the_other_serving(tmp_pa
         log = "".join(fleet.lines)
         assert f"{first.replace('east-', 'east-gateway-')} exited with signal SIGKILL" in log
         assert f"{second.replace('east-', 'east-gateway-')} exited with signal SIGKILL" in log
+    except BaseException:
+        print("".join(fleet.lines)[-30_000:])  # the fleet's log (every gateway's tracebacks) with the failure
+        raise
     finally:
         fleet.stop()
     assert fleet.process.returncode == 0
