@@ -25,7 +25,7 @@
 #define K_STEP 256            // k values of a block pair per pass over a block's tiles: 16 KB of weights, in L1
 #define PREFETCH_BYTES 2048   // how far ahead of the vdpbf16ps the weight streams are requested
 // Tiles of fewer rows are memory-bound, and the hardware prefetcher keeps up with their two sequential streams:
-// on Zen 4, software prefetches cost them 3-10% where they gain tiles of more rows 2-6% (cold weights).
+// on Zen 4, software prefetches cost them 3-10% where they gain tiles of more rows 2-7% (cold weights).
 #define PREFETCH_MIN_ROWS 5
 
 int bf16_gemm_supported(void) {

@@ -38,8 +38,8 @@ ANY_ROWS = sys.maxsize
 # kernel name (the ISA level it needs) -> (library, the most rows it is used for, the multiple of K it needs).
 # Tried in this order. amx_gemm.c takes every
 # Linear: in the engine it beats oneDNN's GEMM on pre-packed weights from 1 row (decode steps) to 1024
-# (prefill steps; docs/benchmarks.md). bf16_gemm.c too, on Zen 4: 1.3-1.45x oneDNN's at 1-8 rows, and at 64-256
-# rows as fast or a few percent faster (both near the vdpbf16ps peak; docs/benchmarks.md).
+# (prefill steps; docs/benchmarks.md). bf16_gemm.c too, on Zen 4: 1.2-1.8x oneDNN's at 1-8 rows, ~1.1x at 16-64,
+# even at 256 (both near the vdpbf16ps peak there; docs/benchmarks.md).
 NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("bf16_gemm.c", ANY_ROWS, 2)}
 # float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
 # past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
