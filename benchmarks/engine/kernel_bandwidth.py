@@ -2,17 +2,18 @@
 
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
         [--queries N]
-    .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32] [--hot] [--dtype float32]
-        [--kernels avx512] [--vs-torch]
+    .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32 [64 ...]] [--hot] [--dtype float32]
+        [--kernels avx512] [--vs-torch] [--per-call]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py quant [--rows 1] [--format q4_1] [--kernels LEVEL]
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
 blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
 kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens). gemm: the 120 Linear layers of the
-30 decoder layers (qkv, o, gate_up, down) on `--rows` rows, in GB/s of weights and TFLOP/s; --hot calls one
-weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate); --vs-torch times
-torch.nn.functional.linear on the same (unpacked) weights too (set ONEDNN_MAX_CPU_ISA to keep oneDNN to an older
-CPU's instructions). quant: the same 120 Linear layers with quantized weights (random blocks of `--format`)
+30 decoder layers (qkv, o, gate_up, down) on each `--rows` count of rows, in GB/s of weights and TFLOP/s; --hot
+calls one weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate); --vs-torch
+times torch.nn.functional.linear on the same (unpacked) weights too, and in bfloat16 oneDNN on weights pre-packed
+for it, as Linear calls it where the native GEMM does not run (set ONEDNN_MAX_CPU_ISA to keep oneDNN to an older
+CPU's instructions); --per-call sums each call's best time instead of timing the 120 calls as one run. quant: the same 120 Linear layers with quantized weights (random blocks of `--format`)
 through quant_gemm.c, in GB/s of the weights' bytes (values, scales and mins), to compare with
 benchmarks/engine/read_bandwidth.c. --kernels builds the kernels of a lower ISA level than the CPU's. Best of 10.
 Used for docs/benchmarks.md, "Engine step" and "Quantized weights at run time"."""
@@ -47,6 +48,18 @@ def best_time(run: Callable[[], None], repetitions: int = 10) -> float:
     return best
 
 
+def per_call_best(calls: list[Callable[[], object]], repetitions: int = 10) -> float:
+    """The sum over `calls` of each one's best time, each repetition running them all in order (so cold weights
+    stay cold): on a machine other work also runs, a preemption spoils one call rather than the whole run."""
+    best = [float("inf")] * len(calls)
+    for _ in range(repetitions + 1):  # the first pass warms up
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return sum(best)
+
+
 def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, queries: int) -> None:
     blocks_per_seq = -(-context // block_size)
     num_blocks = seqs * blocks_per_seq + 8
@@ -72,20 +85,25 @@ def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, 
           f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
 
 
-def gemm(kernels: NativeKernels, rows: int, hot: bool, vs_torch: bool) -> None:
+def gemm(kernels: NativeKernels, rows: int, hot: bool, vs_torch: bool, per_call: bool) -> None:
     dtype = kernels.dtype
     inputs = {k: torch.randn(rows, k, dtype=dtype) for _, k in LINEAR_SHAPES}
 
     def report(label: str, weights: list[torch.Tensor]) -> None:
         packed = [kernels.pack_gemm_weight(weight) for weight in weights]
-        runs = {f"native {kernels.gemm_name}": lambda: [kernels.gemm(inputs[w.shape[1]], p, None)
-                                                        for w, p in zip(weights, packed, strict=True)]}
+        calls = {f"native {kernels.gemm_name}": [lambda w=w, p=p: kernels.gemm(inputs[w.shape[1]], p, None)
+                                                 for w, p in zip(weights, packed, strict=True)]}
         if vs_torch:
-            runs["torch F.linear"] = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]
+            calls["torch F.linear"] = [lambda w=w: F.linear(inputs[w.shape[1]], w) for w in weights]
+            if dtype == torch.bfloat16:
+                onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+                calls["oneDNN pre-packed"] = [
+                    lambda w=w, o=o: torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], o, None, "none", [], "")
+                    for w, o in zip(weights, onednn, strict=True)]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         flops = sum(2 * rows * w.numel() for w in weights)
-        for name, run in runs.items():
-            seconds = best_time(run)
+        for name, layer_calls in calls.items():
+            seconds = per_call_best(layer_calls) if per_call else best_time(lambda c=layer_calls: [f() for f in c])
             print(f"GEMM {dtype} ({name}), {rows} rows, {label}: {seconds * 1e3:.2f} ms for {len(weights)} calls, "
                   f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights, {flops / seconds / 1e12:.3f} TFLOP/s")
 
@@ -139,9 +157,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=220, help="attention: tokens per sequence")
     parser.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block")
     parser.add_argument("--queries", type=int, default=1, help="attention: queries per sequence")
-    parser.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32], help="gemm: rows of x (one run per count)")
     parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
     parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
+    parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
     parser.add_argument("--format", choices=QUANT_FORMATS, default="q4_1", help="quant: weight format")
     parser.add_argument("--kernels", choices=ISA_LEVELS[1:], default=None, help="ISA level (default: the CPU's)")
@@ -150,13 +169,15 @@ def main() -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.kernel == "quant":
-        quant(load_quant_gemm(args.kernels or "auto"), args.rows, args.format)
+        for rows in args.rows:
+            quant(load_quant_gemm(args.kernels or "auto"), rows, args.format)
         return
     kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV, args.kernels or cpu_isa_level(), getattr(torch, args.dtype))
     if args.kernel == "attention":
         attention(kernels, args.seqs, args.context, args.block_size, args.queries)
     else:
-        gemm(kernels, args.rows, args.hot, args.vs_torch)
+        for rows in args.rows:
+            gemm(kernels, rows, args.hot, args.vs_torch, args.per_call)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 // pre-packed weights, streams them well below the memory bandwidth for batches of 8-32 rows;
 // at prefill sizes both are compute-bound, and in the engine this kernel is still the faster one.
 // This kernel reads the weights once, in the order they are stored (the same VNNI re-layout as
-// small_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
+// bf16_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
 // in groups of 32 rows (two A tiles of 16). Products of bfloat16 are exact in float32; the sums' order
 // differs from oneDNN's, so outputs can differ from F.linear's by one bfloat16 ulp.
 #define _GNU_SOURCE  // syscall()

@@ -5,8 +5,8 @@ called on torch tensors.
   cache on AVX-512 vectors, replacing the gather of every sequence's K/V into a padded batch followed by SDPA.
 - paged_prefill_attention.c (with AMX): prompt-chunk attention on AMX tiles instead.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
-- amx_gemm.c, small_gemm.c: Linear layers (the "native GEMM"): every Linear with AMX tiles where the CPU has
-  them, else decode batches of up to 4 rows with AVX512-BF16; both read the same re-laid-out weights.
+- amx_gemm.c, bf16_gemm.c: Linear layers (the "native GEMM"): with AMX tiles where the CPU has them, else with
+  AVX512-BF16 vectors; both take any number of rows and read the same re-laid-out weights.
 - decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back
   (the layer loop is decoder_stack_body.h, shared by every dtype and weight format); decoder_stack_quant.c the
   same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
@@ -38,9 +38,9 @@ ANY_ROWS = sys.maxsize
 # kernel name (the ISA level it needs) -> (library, the most rows it is used for, the multiple of K it needs).
 # Tried in this order. amx_gemm.c takes every
 # Linear: in the engine it beats oneDNN's GEMM on pre-packed weights from 1 row (decode steps) to 1024
-# (prefill steps; docs/benchmarks.md). small_gemm.c holds
-# at most 4 rows in registers (MAX_ROWS there); oneDNN wins past that.
-NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("small_gemm.c", 4, 2)}
+# (prefill steps; docs/benchmarks.md). bf16_gemm.c too, on Zen 4: 1.2-1.8x oneDNN's at 1-8 rows, ~1.1x at 16-64,
+# even at 256 (both near the vdpbf16ps peak there; docs/benchmarks.md).
+NATIVE_GEMMS = {"amx": ("amx_gemm.c", ANY_ROWS, 32), "avx512_bf16": ("bf16_gemm.c", ANY_ROWS, 2)}
 # float32's GEMM (f32_gemm.c, AVX-512 or AVX2 + FMA, named by its vector ISA) op by op, for up to this many rows:
 # past 32 rows oneDNN's float32 GEMM is faster (docs/benchmarks.md). The decoder stack takes every row count.
 F32_GEMM_MAX_ROWS = 32
@@ -93,11 +93,11 @@ class NativeKernels:
         self._rotary_and_cache = bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                       _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
-        self.gemm_max_rows = self._gemm_capacity = 0  # the rows Linear gives it; the rows it can take
+        self.gemm_max_rows = 0  # the most rows Linear gives it (it takes any number)
         self.has_decoder_stack = False
         self.decoder_stack_max_rows = ANY_ROWS  # larger steps run op by op
         if float32:
-            self.gemm_name, self.gemm_max_rows, self._gemm_capacity = self.vector_isa, F32_GEMM_MAX_ROWS, ANY_ROWS
+            self.gemm_name, self.gemm_max_rows = self.vector_isa, F32_GEMM_MAX_ROWS
             self._gemm = bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
             self.has_decoder_stack, self.decoder_stack_max_rows = True, F32_STACK_MAX_ROWS
             self._decoder_stack = bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
@@ -115,7 +115,7 @@ class NativeKernels:
             source, max_rows, self._gemm_k_multiple = NATIVE_GEMMS[name]
             library = load_kernel(source, (), level)
             if getattr(library, f"{source[:-2]}_supported")():
-                self.gemm_name, self.gemm_max_rows, self._gemm_capacity = name, max_rows, max_rows
+                self.gemm_name, self.gemm_max_rows = name, max_rows
                 self._gemm = bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
         self.has_decoder_stack = self.gemm_name == "amx"
@@ -261,12 +261,11 @@ class NativeKernels:
         return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, K] (unit stride over K) @ W^T + bias -> [rows, N]; rows up to gemm_max_rows for the bfloat16
-        GEMMs, any number for float32's (which Linear uses up to gemm_max_rows, where it beats oneDNN's)."""
+        """x [rows, K] (unit stride over K) @ W^T + bias -> [rows, N], any number of rows (Linear uses it up to
+        gemm_max_rows, where it beats oneDNN's)."""
         rows, k = x.shape
-        if not 0 < rows <= self._gemm_capacity:
-            taken = "1 row or more" if self._gemm_capacity == ANY_ROWS else f"1 to {self._gemm_capacity} rows"
-            raise ValueError(f"native GEMM takes {taken}, got {rows}")
+        if rows <= 0:
+            raise ValueError(f"native GEMM takes 1 row or more, got {rows}")
         _check(x.stride(1) == 1, "GEMM")
         n = packed.numel() // k
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)

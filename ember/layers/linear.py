@@ -22,8 +22,8 @@ from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
 
 class Linear(nn.Linear):
     """nn.Linear plus optional pre-packed copies of the weight that forward uses when present: the native
-    GEMM's (ember/kernels/amx_gemm.c or, in float32, f32_gemm.c for every batch, or small_gemm.c for decode
-    batches of a few rows), then oneDNN's; or a quantized weight and the kernels that use it."""
+    GEMM's (ember/kernels/amx_gemm.c, bf16_gemm.c or, in float32, f32_gemm.c, for batches of up to its
+    gemm_max_rows), then oneDNN's; or a quantized weight and the kernels that use it."""
 
     packed_weight: torch.Tensor | None = None
     native: NativeKernels | None = None

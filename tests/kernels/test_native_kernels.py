@@ -188,7 +188,7 @@ def test_avx512_prefill_attention_matches_exact_attention(native: NativeKernels,
         assert (out[row].double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6, case
 
 
-@pytest.mark.parametrize(("gemm", "rows"), [("avx512_bf16", rows) for rows in (1, 2, 3, 4)]
+@pytest.mark.parametrize(("gemm", "rows"), [("avx512_bf16", rows) for rows in (1, 2, 3, 4, 13, 97)]
                          + [("amx", rows) for rows in (1, 7, 16, 17, 32, 45, 64, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int, with_bias: bool) -> None:
@@ -209,6 +209,36 @@ def test_native_gemm_matches_linear(native: NativeKernels, gemm: str, rows: int,
     assert kernels.pack_gemm_weight(torch.zeros(48, 576).bfloat16()) is None  # 48 outputs: not 32-aligned
     with pytest.raises(ValueError, match="got 0"):
         kernels.gemm(x[:0], packed, bias)
+
+
+@pytest.fixture(scope="module")
+def bf16_gemm(native: NativeKernels) -> NativeKernels:
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, native.level, gemm="avx512_bf16")
+    if kernels.gemm_name is None:
+        pytest.skip("the CPU lacks AVX512-BF16")
+    return kernels
+
+
+@pytest.mark.parametrize("rows", [*range(1, 41), 300])
+@pytest.mark.parametrize(("n", "k"), [(64, 34), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_within_an_ulp_of_the_exact_product(bf16_gemm: NativeKernels, rows: int, n: int, k: int,
+                                                      with_bias: bool) -> None:
+    """Every register tile shape (1 to 8 rows), several tiles and blocks of rows, k in one pass, in pieces
+    (K_STEP) and ending in a partial piece: float32 sums rounded once, so within one bfloat16 ulp of the exact
+    result plus float32's own error on the sum (a random walk of k roundings, well under sqrt(k) of its ulps of
+    the products' magnitude), far below what rounding a partial sum to bfloat16 would add."""
+    generator = torch.Generator().manual_seed(rows * 7 + k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, k + 10, generator=generator).bfloat16()[:, :k]  # a row stride above k
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    out = bf16_gemm.gemm(x, bf16_gemm.pack_gemm_weight(weight), bias)
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-126))) - 7)
+    assert ((out.double() - exact).abs() <= ulp + k**0.5 * 2.0**-24 * magnitude).all()
 
 
 def test_amx_gemm_needs_k_in_tiles(native: NativeKernels) -> None:
