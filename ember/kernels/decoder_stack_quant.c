@@ -5,11 +5,17 @@
 //
 // For decode-sized steps only (rows up to the scratch's, GEMV_MAX_ROWS in quant_gemm.py): past them the
 // op-by-op path multiplies dequantized weights with a float GEMM instead. Built with the HEAD_DIM and
-// QUERIES_PER_KV of the attention kernels; needs AMX (paged_prefill_attention.c).
+// QUERIES_PER_KV of the attention kernels, for the level of decoder_stack.c (prompt chunks on AMX tiles or
+// AVX-512 vectors, like the op-by-op path).
 #include "quant_gemm.c"
 #include "fused_ops.c"
 #include "paged_attention.c"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "paged_prefill_attention.c"
+#define STACK_PREFILL_ATTENTION paged_prefill_attention_tasks
+#else
+#define STACK_PREFILL_ATTENTION paged_prefill_attention_avx512_tasks
+#endif
 
 #define STACK_T uint16_t
 #define STACK_NAME decoder_stack_quant
@@ -18,6 +24,5 @@
 #define STACK_ADD_RMS_NORM add_rms_norm_rows
 #define STACK_ROTARY_AND_CACHE rotary_and_cache_rows
 #define STACK_DECODE_ATTENTION paged_decode_attention_tasks
-#define STACK_PREFILL_ATTENTION paged_prefill_attention_tasks
 #define STACK_SILU_AND_MUL silu_and_mul_rows
 #include "decoder_stack_body.h"

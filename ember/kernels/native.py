@@ -7,7 +7,7 @@ called on torch tensors.
 - fused_ops.c: residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache write, one pass each.
 - amx_gemm.c, bf16_gemm.c: Linear layers (the "native GEMM"): with AMX tiles where the CPU has them, else with
   AVX512-BF16 vectors; both take any number of rows and read the same re-laid-out weights.
-- decoder_stack.c (with AMX): every decoder layer of a step in one call, the kernels above back to back
+- decoder_stack.c (AMX or AVX512-BF16): every decoder layer of a step in one call, the kernels above back to back
   (the layer loop is decoder_stack_body.h, shared by every dtype and weight format); decoder_stack_quant.c the
   same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
 - paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
@@ -118,15 +118,18 @@ class NativeKernels:
                 self.gemm_name, self.gemm_max_rows = name, max_rows
                 self._gemm = bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
-        self.has_decoder_stack = self.gemm_name == "amx"
         # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
         if self.gemm_name == "amx":
             prefill = load_kernel("paged_prefill_attention.c", shape, level)
             if prefill.paged_prefill_attention_supported():
                 self.prefill_isa = "amx"
                 self._prefill = bind(prefill, "paged_prefill_attention", *_PREFILL_ARGTYPES)
+        # The stack is built for its GEMM's level, which picks its GEMM and prompt-chunk attention (decoder_stack.c):
+        # the op-by-op path's own kernels.
+        self.has_decoder_stack = self.gemm_name in ("amx", "avx512_bf16")
         if self.has_decoder_stack:
-            self._decoder_stack = bind(load_kernel("decoder_stack.c", shape, level), "decoder_stack",
+            self._stack_level = self.gemm_name
+            self._decoder_stack = bind(load_kernel("decoder_stack.c", shape, self._stack_level), "decoder_stack",
                                        *_DECODER_STACK_ARGTYPES)
 
     @property
@@ -138,7 +141,7 @@ class NativeKernels:
     def _decoder_stack_quant(self) -> ctypes._CFuncPtr:
         """decoder_stack_quant.c's stack (quantized Linear weights), built on first use: only quantized models
         call it."""
-        library = load_kernel("decoder_stack_quant.c", self._shape, self.level)
+        library = load_kernel("decoder_stack_quant.c", self._shape, self._stack_level)
         return bind(library, "decoder_stack_quant", *_DECODER_STACK_ARGTYPES)
 
     def paged_decode_attention(
@@ -361,7 +364,7 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
             gemm += f" ({in_stack}up to {native.gemm_max_rows} rows, else torch)"
     stack = "off"
     if native.has_decoder_stack:
-        stack = vector if native.dtype == torch.float32 else "native_amx"
+        stack = vector if native.dtype == torch.float32 else f"native_{native.gemm_name}"
         if native.decoder_stack_max_rows < ANY_ROWS:
             stack += f" (steps of up to {native.decoder_stack_max_rows} rows, else op by op)"
     return {

@@ -1,4 +1,4 @@
-"""The decoder stack (every layer of a step in one native call: decoder_stack.c in bfloat16 with AMX,
+"""The decoder stack (every layer of a step in one native call: decoder_stack.c in bfloat16 with AMX or AVX512-BF16,
 decoder_stack_f32.c in float32 at each ISA level this CPU runs) against the same native kernels called op by op:
 the same kernels in the same order, so greedy tokens and logprobs must be identical, bit for bit. Likewise
 decoder_stack_quant.c (quantized Linear weights, bfloat16) against the op-by-op quantized path, for the steps it
@@ -22,8 +22,9 @@ from tests.conftest import build_tiny_model_dir
 # head_dim 32 and widths that are whole AMX tiles: the smallest shape the native kernels take.
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2)
-# (dtype, --kernels): bfloat16 at the CPU's own level (the stack needs AMX), float32 at every level it runs.
-CASES = [("bfloat16", "native")] + [
+# (dtype, --kernels): bfloat16 at each level with a bfloat16 stack (AMX tiles, AVX512-BF16 vectors), float32 at
+# every level; those this CPU runs.
+CASES = [("bfloat16", level) for level in ("amx", "avx512_bf16") if level_at_least(cpu_isa_level(), level)] + [
     ("float32", level) for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)
 ]
 
