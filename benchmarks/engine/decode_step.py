@@ -18,6 +18,7 @@ from ember.engine.args import EngineArgs
 from ember.engine.llm_engine import LLMEngine
 from ember.engine.outputs import SpecDecodeStats
 from ember.engine.sampling_params import SamplingParams
+from ember.kernels import KERNEL_CHOICES
 
 
 class RepeatLastToken:
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
-    parser.add_argument("--kernels", default=EngineArgs.kernels)
+    parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES, help="native kernels (ember serve --kernels)")
     parser.add_argument("--draft-tokens", type=int, default=0, help="draft tokens each decode verifies")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
