@@ -9,7 +9,7 @@ called on torch tensors.
   AVX512-BF16 vectors; both take any number of rows and read the same re-laid-out weights.
 - decoder_stack.c (AMX or AVX512-BF16): every decoder layer of a step in one call, the kernels above back to back
   (the layer loop is decoder_stack_body.h, shared by every dtype and weight format); decoder_stack_quant.c the
-  same with quantized Linear weights (quant_gemm.c) for decode-sized steps.
+  same with quantized Linear weights (quant_gemm.c) for decode-sized steps (decoder_stack_quant_f32.c in float32).
 - paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
   the fused ops, the GEMM and the decoder stack for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
 
@@ -99,7 +99,7 @@ class NativeKernels:
         if float32:
             self.gemm_name, self.gemm_max_rows = self.vector_isa, F32_GEMM_MAX_ROWS
             self._gemm = bind(load_kernel("f32_gemm.c", (), level), "f32_gemm", *_GEMM_ARGTYPES)
-            self.has_decoder_stack, self.decoder_stack_max_rows = True, F32_STACK_MAX_ROWS
+            self.has_decoder_stack, self.decoder_stack_max_rows, self._stack_level = True, F32_STACK_MAX_ROWS, level
             self._decoder_stack = bind(load_kernel("decoder_stack_f32.c", shape, level), "decoder_stack_f32",
                                        *_DECODER_STACK_ARGTYPES)
         else:
@@ -134,15 +134,16 @@ class NativeKernels:
 
     @property
     def has_quantized_decoder_stack(self) -> bool:
-        """Whether decoder_stack_quant.c runs here: it is built on the bfloat16 fused ops and attention."""
-        return self.has_decoder_stack and self.dtype == torch.bfloat16
+        """Whether decoder_stack_quant*.c runs here: wherever this dtype's stack does, on its fused ops and
+        attention."""
+        return self.has_decoder_stack
 
     @functools.cached_property
     def _decoder_stack_quant(self) -> ctypes._CFuncPtr:
-        """decoder_stack_quant.c's stack (quantized Linear weights), built on first use: only quantized models
-        call it."""
-        library = load_kernel("decoder_stack_quant.c", self._shape, self._stack_level)
-        return bind(library, "decoder_stack_quant", *_DECODER_STACK_ARGTYPES)
+        """decoder_stack_quant.c's stack (quantized Linear weights; decoder_stack_quant_f32.c in float32), built on
+        first use: only quantized models call it."""
+        name = "decoder_stack_quant_f32" if self.dtype == torch.float32 else "decoder_stack_quant"
+        return bind(load_kernel(f"{name}.c", self._shape, self._stack_level), name, *_DECODER_STACK_ARGTYPES)
 
     def paged_decode_attention(
         self,

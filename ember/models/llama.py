@@ -121,9 +121,9 @@ class _StackTable(NamedTuple):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Steps run every layer in one native call where the kernels have a decoder stack (bfloat16 with AMX,
-    # float32 on AVX-512 or AVX2: decoder_stack*.c; quantized weights with AMX: decoder_stack_quant.c); the model
-    # runner sets it.
+    # Steps run every layer in one native call where the kernels have a decoder stack (bfloat16 with AMX or
+    # AVX512-BF16, float32 on AVX-512 or AVX2: decoder_stack*.c; quantized weights: decoder_stack_quant*.c); the
+    # model runner sets it.
     native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",

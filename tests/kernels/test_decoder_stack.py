@@ -117,17 +117,22 @@ def test_quantized_decoder_stack_matches_op_by_op(
     assert_same_outputs(reference, stacked)
 
 
-def test_float32_quantized_model_runs_op_by_op(stack_model_dir: Path) -> None:
-    """decoder_stack_quant.c is built on the bfloat16 kernels: a float32 model with quantized weights must not
-    enter it (nor the float32 stack, whose GEMM takes packed float weights), and says so in its kernel paths."""
-    skip_without_stack("float32", "native")
-    prompts = [[100 + j for j in range(9)], [300 + j for j in range(4)]]
-    reference, _, _ = generate(stack_model_dir, "float32", "native", False, prompts, GEMV_MAX_ROWS, "int8")
-    outputs, calls, steps = generate(stack_model_dir, "float32", "native", True, prompts, GEMV_MAX_ROWS, "int8")
-    assert calls == 0 and steps >= 11
+@pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "float32"])
+def test_float32_quantized_decoder_stack_matches_op_by_op(stack_model_dir: Path, kernels: str) -> None:
+    """decoder_stack_quant_f32.c (a float32 model with quantized weights, for CPUs without native bfloat16) against
+    the op-by-op quantized float32 path at each ISA level: prompt chunks and decodes in 16-row steps, every step in
+    the stack."""
+    skip_without_stack("float32", kernels)
+    prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * (i % 5))] for i in range(6)]
+    reference, _, _ = generate(stack_model_dir, "float32", kernels, False, prompts, GEMV_MAX_ROWS, "int8")
+    outputs, calls, steps = generate(stack_model_dir, "float32", kernels, True, prompts, GEMV_MAX_ROWS, "int8")
+    assert calls == steps >= 11
     assert_same_outputs(reference, outputs)
-    llm = LLM(str(stack_model_dir), dtype="float32", kernels="native", num_threads=2, quantization="int8")
-    assert llm.engine.runner.kernel_paths["decoder_stack"] == "off"
+    llm = LLM(str(stack_model_dir), dtype="float32", kernels=kernels, num_threads=2, quantization="int8")
+    level = llm.engine.runner.native.vector_isa
+    assert llm.engine.runner.kernel_paths["decoder_stack"] == (
+        f"native_{level}_quant (steps of up to {GEMV_MAX_ROWS} rows; larger ones op by op)"
+    )
 
 
 @pytest.mark.slow
