@@ -77,11 +77,13 @@ def load_reports(server: ServerProcess) -> dict[int, tuple[float, float]]:
     return {int(m[1]): (float(m[2]), float(m[3])) for m in LOAD_LINE.finditer(server.log())}
 
 
+# A process that exits while it is read: its /proc files vanish (FileNotFoundError) or, as a zombie, answer
+# ESRCH (ProcessLookupError).
 def data_bytes(pid: int) -> int:
     """The process's private writable memory (VmData): what RLIMIT_DATA limits; 0 once it has exited."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return 0
     return next(
         (int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmData:")), 0
@@ -93,7 +95,7 @@ def is_python(pid: int) -> bool:
     server's child on one rank and a worker's on two, so counting it would skew one side only)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().startswith("python")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
@@ -104,7 +106,7 @@ def children(pid: int | str) -> list[int]:
             for task in Path(f"/proc/{pid}/task").iterdir()
             for c in (task / "children").read_text().split()
         ]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return []
 
 
