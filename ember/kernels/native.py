@@ -69,8 +69,8 @@ class NativeKernels:
     prompt-chunk attention, the fused ops, the GEMM and the decoder stack. bfloat16's native GEMM is `gemm`, a
     name of NATIVE_GEMMS, or "auto" for the first that `level` includes and the CPU supports; `gemm_name` is
     None (and `gemm_max_rows` 0) when none is. bfloat16 has decode and prompt-chunk attention on AVX-512
-    vectors; with the AMX GEMM, prompt-chunk attention on AMX tiles (`prefill_isa` "amx") and the decoder stack
-    too."""
+    vectors, with the AMX GEMM prompt-chunk attention on AMX tiles (`prefill_isa` "amx"), and with either native
+    GEMM the decoder stack."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
                  gemm: str = "auto") -> None:
@@ -133,10 +133,10 @@ class NativeKernels:
                                        *_DECODER_STACK_ARGTYPES)
 
     @property
-    def has_quantized_decoder_stack(self) -> bool:
-        """Whether decoder_stack_quant*.c runs here: wherever this dtype's stack does, on its fused ops and
-        attention."""
-        return self.has_decoder_stack
+    def decoder_stack_name(self) -> str:
+        """The decoder stack's kernel path, named by its GEMM's ISA ("off" without one); decoder_stack_quant*.c
+        runs wherever it does, on its fused ops and attention."""
+        return f"native_{self.gemm_name}" if self.has_decoder_stack else "off"
 
     @functools.cached_property
     def _decoder_stack_quant(self) -> ctypes._CFuncPtr:
@@ -363,11 +363,9 @@ def kernel_paths(native: NativeKernels | None) -> dict[str, str]:
         if native.gemm_max_rows < ANY_ROWS:
             in_stack = "every row count in the decoder stack; op by op " if native.has_decoder_stack else ""
             gemm += f" ({in_stack}up to {native.gemm_max_rows} rows, else torch)"
-    stack = "off"
-    if native.has_decoder_stack:
-        stack = vector if native.dtype == torch.float32 else f"native_{native.gemm_name}"
-        if native.decoder_stack_max_rows < ANY_ROWS:
-            stack += f" (steps of up to {native.decoder_stack_max_rows} rows, else op by op)"
+    stack = native.decoder_stack_name
+    if native.has_decoder_stack and native.decoder_stack_max_rows < ANY_ROWS:
+        stack += f" (steps of up to {native.decoder_stack_max_rows} rows, else op by op)"
     return {
         "gemm": gemm,
         "attention_decode": vector,

@@ -97,12 +97,12 @@ def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm) -> str:
             f"{GEMV_MAX_ROWS} rows, else dequantized + torch{f'; {floats} float Linear(s)' if floats else ''})")
 
 
-def quantized_stack_path(model: nn.Module, stack_path: str) -> str:
-    """The kernel-path report of the decoder stack for a quantized model whose float stack would be
-    `stack_path`: decoder_stack_quant*.c runs steps of up to GEMV_MAX_ROWS rows where every decoder layer's
+def quantized_stack_path(model: nn.Module, stack_name: str) -> str:
+    """The kernel-path report of the decoder stack for a quantized model whose float stack is `stack_name`
+    (NativeKernels.decoder_stack_name): decoder_stack_quant*.c runs steps of up to GEMV_MAX_ROWS rows where every decoder layer's
     Linear is quantized; other steps, and models with float Linears in their layers, run op by op."""
     layers = getattr(model, "layers", None)
     linears = [] if layers is None else [m for m in layers.modules() if isinstance(m, Linear)]
-    if stack_path == "off" or not linears or any(m.quantized is None for m in linears):
+    if stack_name == "off" or not linears or any(m.quantized is None for m in linears):
         return "off"
-    return f"{stack_path.split(' (')[0]}_quant (steps of up to {GEMV_MAX_ROWS} rows; larger ones op by op)"
+    return f"{stack_name}_quant (steps of up to {GEMV_MAX_ROWS} rows; larger ones op by op)"

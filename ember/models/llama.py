@@ -217,9 +217,7 @@ class LlamaForCausalLM(nn.Module):
             descriptors = None
             if all(p.gemm_weight is not None for p in linears):
                 weights = [p.gemm_weight.data_ptr() for p in linears]
-            elif self.native.has_quantized_decoder_stack and all(
-                p.quantized is not None and p.quant_gemm is not None for p in linears
-            ):
+            elif all(p.quantized is not None and p.quant_gemm is not None for p in linears):
                 descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], GEMV_MAX_ROWS)
                 weights = [descriptors.address(i) for i in range(len(linears))]
             else:
