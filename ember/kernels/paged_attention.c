@@ -1,5 +1,6 @@
-// Decode and prompt-chunk attention read in place from the paged bfloat16 KV cache, AVX-512F (no AMX, no
-// AVX512-BF16: the products are float32 FMAs of widened bf16 inputs, like SDPA's).
+// Decode and prompt-chunk attention read in place from the paged bfloat16 KV cache, AVX-512F (no AMX; the
+// scores use AVX512-BF16 dot products where the build has them, else float32 FMAs of widened bf16 inputs;
+// P V is float32 FMAs, like SDPA's).
 //
 // Built at run time for one model shape (see ember/kernels/build.py): HEAD_DIM (a multiple of 16) and
 // QUERIES_PER_KV (query heads sharing one KV head) are compile-time constants, so the query and accumulator
@@ -15,13 +16,15 @@
 // P stays float32. The gather + padded SDPA this replaces copies every key twice before reading it.
 #include <math.h>
 #include <omp.h>
-#include <stdlib.h>
 
 #include "bf16_simd.h"
 #include "paged_cache.h"
 
 #define CHUNKS (HEAD_DIM / 16)
 #define TILE 16
+#ifndef AHEAD
+#define AHEAD 16
+#endif
 
 // Lane i of the result = the sum of v[i]'s 16 lanes (a transpose-and-add tree: ~3 instructions per sum
 // instead of ~8 for a horizontal reduction of each vector).
@@ -45,28 +48,39 @@ static inline __mmask16 tile_mask(int64_t valid) {
     return valid >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
 }
 
+// A row of HEAD_DIM bfloat16 values as float32 vectors without a widening shuffle: per 32 values (one 64-byte
+// load), its even-indexed values (shifted into the high halves) and its odd-indexed ones (masked). The vectors
+// hold the row in the order [evens 0..31, odds 0..31, evens 32..63, ...]; the kernel keeps its query and
+// output accumulators in that order too and interleaves them back when it stores the output.
+static inline void load_bf16_split(const uint16_t *p, __m512 *parts) {
+    for (int c = 0; c < HEAD_DIM / 32; c++) {
+        const __m512i raw = _mm512_loadu_si512(p + c * 32);
+        parts[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        parts[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000)));
+    }
+}
+
 // out = softmax(q k^T * scale) v for the query heads of KV heads [first_head, first_head + num_heads) of one
 // query token, over keys [0, keys) of its sequence (block table `table`): q and out point at the first of those
 // query heads (num_heads * QUERIES_PER_KV rows of HEAD_DIM, contiguous). Several KV heads in one call read
 // whole cache rows, which the hardware prefetchers follow better than a part of each.
+// Scores: with AVX512-BF16, q . k in vdpbf16ps straight from the cache's bfloat16 (products exact, pairs
+// summed in float32), else float32 FMAs of the split rows; the scale multiplies each tile's scores once.
+// P stays float32: the V rows are split as above and accumulated by FMAs in the split order.
 static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache, const int64_t *table,
                          int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
                          float scale) {
     const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM;
     const int num_queries = num_heads * QUERIES_PER_KV;
-    // Per query head: scaled query, fp32 output accumulator, running max and softmax sum.
-    float *query = aligned_alloc(64, sizeof(float) * 2 * num_queries * HEAD_DIM);
-    float *acc = query + num_queries * HEAD_DIM;
-    float *running_max = malloc(sizeof(float) * 2 * num_queries), *running_sum = running_max + num_queries;
+    // Per query head: fp32 output accumulator (split order), running max and softmax sum.
+    float acc[num_queries * HEAD_DIM] __attribute__((aligned(64)));
+    float running_max[num_queries], running_sum[num_queries];
     for (int h = 0; h < num_queries; h++) {
-        for (int c = 0; c < CHUNKS; c++) {
-            _mm512_store_ps(query + h * HEAD_DIM + c * 16,
-                            _mm512_mul_ps(load_bf16(q + h * HEAD_DIM + c * 16), _mm512_set1_ps(scale)));
-            _mm512_store_ps(acc + h * HEAD_DIM + c * 16, _mm512_setzero_ps());
-        }
+        for (int c = 0; c < CHUNKS; c++) _mm512_store_ps(acc + h * HEAD_DIM + c * 16, _mm512_setzero_ps());
         running_max[h] = -INFINITY;
         running_sum[h] = 0.0f;
     }
+    const __m512 scale_vector = _mm512_set1_ps(scale);
 
     for (int64_t start = 0; start < keys; start += TILE) {
         const int64_t valid = keys - start < TILE ? keys - start : TILE;
@@ -77,17 +91,24 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
         // computes this tile, one row's K and V of the head at hand per key. Spread like this, the
         // requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until
         // the line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads.
-        const int64_t next_valid = keys - start - TILE < TILE ? keys - start - TILE : TILE;
+        const int64_t next_valid = keys - start - AHEAD < TILE ? keys - start - AHEAD : TILE;
         const uint16_t *next[TILE];
-        if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + TILE, next_valid, next);
+        if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
         for (int kv = 0; kv < num_heads; kv++) {
             const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;
             const int64_t value_offset = (int64_t)(num_kv_heads + first_head + kv) * HEAD_DIM;
-            float *group_query = query + kv * QUERIES_PER_KV * HEAD_DIM;
+            const uint16_t *group_q = q + kv * QUERIES_PER_KV * HEAD_DIM;
             float *group_acc = acc + kv * QUERIES_PER_KV * HEAD_DIM;
-            __m512 qv[QUERIES_PER_KV][CHUNKS], dots[QUERIES_PER_KV][TILE];
+#ifdef __AVX512BF16__
+            __m512bh qv[QUERIES_PER_KV][HEAD_DIM / 32];
             for (int g = 0; g < QUERIES_PER_KV; g++)
-                for (int c = 0; c < CHUNKS; c++) qv[g][c] = _mm512_load_ps(group_query + g * HEAD_DIM + c * 16);
+                for (int c = 0; c < HEAD_DIM / 32; c++)
+                    qv[g][c] = (__m512bh)_mm512_loadu_si512(group_q + g * HEAD_DIM + c * 32);
+#else
+            __m512 qv[QUERIES_PER_KV][CHUNKS];
+            for (int g = 0; g < QUERIES_PER_KV; g++) load_bf16_split(group_q + g * HEAD_DIM, qv[g]);
+#endif
+            __m512 dots[QUERIES_PER_KV][TILE];
             for (int i = 0; i < TILE; i++) {
                 if (i >= valid) {
                     for (int g = 0; g < QUERIES_PER_KV; g++) dots[g][i] = _mm512_setzero_ps();
@@ -98,20 +119,31 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
                         _mm_prefetch((const char *)(next[i] + key_offset) + c, _MM_HINT_T1);
                         _mm_prefetch((const char *)(next[i] + value_offset) + c, _MM_HINT_T1);
                     }
+#ifdef __AVX512BF16__
+                __m512bh k[HEAD_DIM / 32];
+                for (int c = 0; c < HEAD_DIM / 32; c++)
+                    k[c] = (__m512bh)_mm512_loadu_si512(rows[i] + key_offset + c * 32);
+                for (int g = 0; g < QUERIES_PER_KV; g++) {
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k[0]);
+                    for (int c = 1; c < HEAD_DIM / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[g][c], k[c]);
+                    dots[g][i] = dot;
+                }
+#else
                 __m512 k[CHUNKS];
-                for (int c = 0; c < CHUNKS; c++) k[c] = load_bf16(rows[i] + key_offset + c * 16);
+                load_bf16_split(rows[i] + key_offset, k);
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
                     __m512 dot = _mm512_mul_ps(qv[g][0], k[0]);
                     for (int c = 1; c < CHUNKS; c++) dot = _mm512_fmadd_ps(qv[g][c], k[c], dot);
                     dots[g][i] = dot;
                 }
+#endif
             }
             // Online softmax: rescale what was accumulated when this tile raises a head's maximum.
             float probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
             __m512 group_out[QUERIES_PER_KV][CHUNKS];
             for (int g = 0; g < QUERIES_PER_KV; g++) {
                 const int h = kv * QUERIES_PER_KV + g;
-                const __m512 scores = sum_lanes16(dots[g]);
+                const __m512 scores = _mm512_mul_ps(sum_lanes16(dots[g]), scale_vector);
                 const float tile_max = _mm512_mask_reduce_max_ps(mask, scores);
                 const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
                 const float correction = expf(running_max[h] - new_max);
@@ -125,7 +157,7 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
             }
             for (int i = 0; i < valid; i++) {
                 __m512 v[CHUNKS];
-                for (int c = 0; c < CHUNKS; c++) v[c] = load_bf16(rows[i] + value_offset + c * 16);
+                load_bf16_split(rows[i] + value_offset, v);
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
                     const __m512 p = _mm512_set1_ps(probs[g][i]);
                     for (int c = 0; c < CHUNKS; c++) group_out[g][c] = _mm512_fmadd_ps(p, v[c], group_out[g][c]);
@@ -135,13 +167,17 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
                 for (int c = 0; c < CHUNKS; c++) _mm512_store_ps(group_acc + g * HEAD_DIM + c * 16, group_out[g][c]);
         }
     }
-    for (int h = 0; h < num_queries; h++)
-        for (int c = 0; c < CHUNKS; c++)
-            store_bf16(out + h * HEAD_DIM + c * 16,
-                       round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + c * 16),
-                                     _mm512_set1_ps(1.0f / running_sum[h]))));
-    free(query);
-    free(running_max);
+    // Back from the split order: each 32-bit pair of the output is (even value, odd value), both rounded.
+    for (int h = 0; h < num_queries; h++) {
+        const __m512 inverse_sum = _mm512_set1_ps(1.0f / running_sum[h]);
+        for (int c = 0; c < HEAD_DIM / 32; c++) {
+            const __m512i even = _mm512_castps_si512(
+                round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + 2 * c * 16), inverse_sum)));
+            const __m512i odd = _mm512_castps_si512(
+                round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + (2 * c + 1) * 16), inverse_sum)));
+            _mm512_storeu_si512(out + h * HEAD_DIM + c * 32, _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+        }
+    }
 }
 
 // q: [num_seqs, num_kv_heads * QUERIES_PER_KV, HEAD_DIM] with row stride q_row_stride (elements);
