@@ -52,13 +52,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
     parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES, help="native kernels (ember serve --kernels)")
+    parser.add_argument("--quantization", default="none", help="none, gguf or int8 (ember serve --quantization)")
     parser.add_argument("--draft-tokens", type=int, default=0, help="draft tokens each decode verifies")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                   num_threads=args.num_threads, enable_prefix_caching=False,
-                                  kernels=args.kernels))
+                                  kernels=args.kernels, quantization=args.quantization))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True, output_kind="final")
     for i in range(args.batch):

@@ -100,9 +100,9 @@ class ModelRunner:
         self.kernel_level = self.native.level if self.native is not None else "none"
         self.kernel_paths = kernel_paths(self.native)
         if self.quant_gemm is not None:
-            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm)
+            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm, self.dtype)
             self.kernel_paths["decoder_stack"] = quantized_stack_path(
-                self.model, "off" if self.native is None else self.native.decoder_stack_name)
+                self.model, "off" if self.native is None else self.native.decoder_stack_name, self.dtype)
         logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,

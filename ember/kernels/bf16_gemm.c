@@ -103,6 +103,26 @@ static void bf16_pair_rows(const uint16_t *x, int64_t x_stride, const uint32_t *
 }
 #endif
 
+#ifdef __AVX512BF16__
+// Rows [first, stop) of x (at most ROW_BLOCK) times one block pair (w0, w1: [k / 2][16][2] each) into out's
+// columns from `out` (row stride n; bias: the pair's 32 values or NULL). A block of rows runs over the pair
+// K_STEP values of k at a time, which stay in L1 for every tile; a block of one tile (decode rows) takes all of k
+// in one pass.
+static void bf16_gemm_unit(const uint16_t *x, int64_t x_stride, const uint32_t *w0, const uint32_t *w1,
+                           int64_t first, int64_t stop, const uint16_t *bias, uint16_t *out, int64_t n, int64_t k) {
+    float partial[ROW_BLOCK * 32] __attribute__((aligned(64)));
+    const int64_t step = stop - first <= MAX_TILE_ROWS ? k : K_STEP;
+    for (int64_t k0 = 0; k0 < k; k0 += step) {
+        const int64_t depth = k - k0 < step ? k - k0 : step;
+        for (int64_t row = first; row < stop; row += MAX_TILE_ROWS) {
+            const int count = stop - row < MAX_TILE_ROWS ? (int)(stop - row) : MAX_TILE_ROWS;
+            bf16_pair_rows(x + row * x_stride + k0, x_stride, w0 + k0 / 2 * 16, w1 + k0 / 2 * 16, depth,
+                           partial + (row - first) * 32, k0 > 0, k0 + depth == k, bias, out + row * n, n, count);
+        }
+    }
+}
+#endif
+
 // x: [rows, k] with row stride x_stride (elements), k even; packed: the weights [n, k] re-laid out as above, n a
 // multiple of 32; bias: [n] or NULL; out: [rows, n], contiguous. The (block of rows, block pair) units, block by
 // block, are split into one contiguous range per thread of the enclosing parallel region; no barrier at the end:
@@ -119,23 +139,12 @@ static void bf16_gemm_share(const uint16_t *x, int64_t x_stride, const uint16_t 
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t begin = units * thread / threads, end = units * (thread + 1) / threads;
     const int64_t block_words = k / 2 * 16;  // one block of 16 outputs, in uint32 pairs
-    float partial[ROW_BLOCK * 32] __attribute__((aligned(64)));
     for (int64_t unit = begin; unit < end; unit++) {
         const int64_t block = unit / pairs, pair = unit % pairs;
         const int64_t first = block * block_rows, stop = first + block_rows < rows ? first + block_rows : rows;
-        const uint32_t *w0 = (const uint32_t *)packed + 2 * pair * block_words, *w1 = w0 + block_words;
-        // A block of rows runs over the pair K_STEP values of k at a time, which stay in L1 for every tile; a
-        // block of one tile (decode rows) takes all of k in one pass.
-        const int64_t step = stop - first <= MAX_TILE_ROWS ? k : K_STEP;
-        for (int64_t k0 = 0; k0 < k; k0 += step) {
-            const int64_t depth = k - k0 < step ? k - k0 : step;
-            for (int64_t row = first; row < stop; row += MAX_TILE_ROWS) {
-                const int count = stop - row < MAX_TILE_ROWS ? (int)(stop - row) : MAX_TILE_ROWS;
-                bf16_pair_rows(x + row * x_stride + k0, x_stride, w0 + k0 / 2 * 16, w1 + k0 / 2 * 16, depth,
-                               partial + (row - first) * 32, k0 > 0, k0 + depth == k, bias ? bias + pair * 32 : NULL,
-                               out + row * n + pair * 32, n, count);
-            }
-        }
+        const uint32_t *w0 = (const uint32_t *)packed + 2 * pair * block_words;
+        bf16_gemm_unit(x, x_stride, w0, w0 + block_words, first, stop, bias ? bias + pair * 32 : NULL,
+                       out + pair * 32, n, k);
     }
 #endif
 }

@@ -3,7 +3,7 @@
 // bit-identical to the op-by-op quantized float32 path (QuantGemm.linear on the same rows). For CPUs without
 // native bfloat16 (where `--dtype auto` picks float32) running `--quantization gguf|int8`.
 //
-// For decode-sized steps only, like decoder_stack_quant.c (rows up to GEMV_MAX_ROWS in quant_gemm.py). Built
+// For decode-sized steps only (rows up to GEMV_MAX_ROWS in quant_gemm.py: no float32 panels). Built
 // with the HEAD_DIM and QUERIES_PER_KV of the attention kernels.
 #include "quant_gemm.c"
 #include "fused_ops_f32.c"

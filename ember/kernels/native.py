@@ -9,7 +9,8 @@ called on torch tensors.
   AVX512-BF16 vectors; both take any number of rows and read the same re-laid-out weights.
 - decoder_stack.c (AMX or AVX512-BF16): every decoder layer of a step in one call, the kernels above back to back
   (the layer loop is decoder_stack_body.h, shared by every dtype and weight format); decoder_stack_quant.c the
-  same with quantized Linear weights (quant_gemm.c) for decode-sized steps (decoder_stack_quant_f32.c in float32).
+  same with quantized Linear weights (quant_gemm.c's GEMV, quant_panel_gemm.c's panels past it) for every step
+  (decoder_stack_quant_f32.c in float32: decode-sized steps).
 - paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
   the fused ops, the GEMM and the decoder stack for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
 

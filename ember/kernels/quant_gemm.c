@@ -16,8 +16,9 @@
 // ROW_TILE activation rows; the blocks' int32 partial sums stay in vector lanes and are reduced together once
 // per group (block b in lane b), so that the group's 8 fp16 scales are converted by one vcvtph2ps and applied
 // by one multiply-add per activation row; the float sum is reduced once per output. The activations are stored
-// in the order the packed nibbles unpack in (quantize_activation_rows). Larger batches (prompt chunks)
-// dequantize the weight to float32 (dequantize_weight) for a float GEMM instead.
+// in the order the packed nibbles unpack in (quantize_activation_rows). Larger batches (prompt chunks) run on
+// bfloat16 tiles over dequantized panels of the weight (quant_panel_gemm.c, bfloat16 with AMX or AVX512-BF16),
+// or else dequantize the whole weight (dequantize_weight) for a float GEMM.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -281,13 +282,14 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
 static inline int quant_gemm_pairs(int format) { return format == Q4_0 || format == Q4_1; }
 
 // A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
-// the scratch its activations are quantized into: room for `rows` rows of activation_blocks(k) blocks. All
-// fields 8 bytes wide, so that Python lays a table of them out as int64 (decoder_stack_quant.c's layers).
+// the scratch its activations are quantized into: room for `scratch_rows` rows of activation_blocks(k) blocks.
+// All fields 8 bytes wide, so that Python lays a table of them out as int64 (decoder_stack_quant.c's layers).
 typedef struct {
     int64_t format;
     const void *qs, *scales, *mins;
     int8_t *xq;
     float *xd, *xs;
+    int64_t scratch_rows;
 } quant_linear;
 
 // out [rows, n_out] = x [rows, k] @ W^T + bias (as quant_gemm) from inside a parallel region: every thread
@@ -316,7 +318,7 @@ int64_t quant_linear_scratch_bytes(int64_t rows, int64_t k) {
 void quant_linear_init(quant_linear *w, int format, const void *qs, const void *scales, const void *mins,
                        void *scratch, int64_t rows, int64_t k) {
     const int64_t values = rows * activation_blocks(k);
-    *w = (quant_linear){format, qs, scales, mins, scratch, 0, 0};
+    *w = (quant_linear){format, qs, scales, mins, scratch, 0, 0, rows};
     w->xd = (float *)((int8_t *)scratch + values * BLOCK);
     w->xs = w->xd + values;
 }

@@ -1,8 +1,9 @@
 """quant_gemm.c on torch tensors: a Linear's quantized weight (QuantizedWeight) used without dequantizing it.
 
-Batches of up to GEMV_MAX_ROWS rows (decode steps) run quant_gemm.c's integer dot products on the blocks as
-stored; larger ones (prompt chunks), where the arithmetic outweighs reading the weight, dequantize the
-weight into a float32 scratch and multiply with PyTorch's GEMM (oneDNN)."""
+Decode-sized batches run quant_gemm.c's integer dot products on the blocks as stored (the GEMV). Larger ones,
+where the arithmetic outweighs reading the weight: in bfloat16 on a CPU with AMX or AVX512-BF16,
+quant_panel_gemm.c dequantizes the weight a 32-output panel at a time into cache for the bfloat16 GEMM's
+tiles; otherwise the weight is dequantized whole for PyTorch's GEMM (oneDNN)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,46 @@ import torch.nn.functional as F
 from ember.errors import EmberError
 from ember.kernels.build import KernelBuildError, bind, load_kernel
 from ember.kernels.cpu import cpu_isa_level, kernel_level, level_at_least
+from ember.kernels.native import ANY_ROWS
 from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}  # quant_gemm.c's enum weight_format
-_DESCRIPTOR_FIELDS = 7  # quant_gemm.c's quant_linear: seven 8-byte fields
-# The most rows quant_gemm takes: past it the float GEMM on the dequantized weight is faster
-# (docs/benchmarks.md, issue 14).
+_DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
+# The most rows the GEMV takes: past them the float GEMM on the dequantized weight is faster, and with bfloat16
+# panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
+PANEL_GEMV_MAX_ROWS = 6
 
 
 class QuantGemm:
-    """quant_gemm.c built for ISA `level` (at least "avx2"); `dot_product` names the instruction it uses."""
+    """quant_gemm.c (with quant_panel_gemm.c) built for ISA `level` (at least "avx2"); `dot_product` names the
+    GEMV's instruction, `panel_gemm_name` the bfloat16 GEMM of the panels (None without AMX or AVX512-BF16)."""
 
     def __init__(self, level: str) -> None:
         self.level = level
-        library = load_kernel("quant_gemm.c", (), level)
+        library = load_kernel("quant_panel_gemm.c", (), level)
         self.dot_product = "vnni" if library.quant_gemm_uses_vnni() else "avx2_maddubs"
+        # bfloat16 tiles on dequantized panels for batches (AMX or AVX512-BF16), or None.
+        self.panel_gemm_name = (
+            ("amx" if level_at_least(level, "amx") else "avx512_bf16") if library.quant_panel_gemm_supported() else None
+        )
+        self._panel_gemm = bind(
+            library,
+            "quant_panel_gemm",
+            _int,
+            _pointer,
+            _int64,
+            _int64,
+            _pointer,
+            _pointer,
+            _pointer,
+            _pointer,
+            _pointer,
+            _int64,
+            _int64,
+            _int,
+        )
         self._gemm = bind(
             library,
             "quant_gemm",
@@ -68,9 +92,15 @@ class QuantGemm:
             _int,
         )
 
+    def gemv_max_rows(self, dtype: torch.dtype) -> int:
+        """The most rows linear() gives the GEMV for activations of `dtype`."""
+        return PANEL_GEMV_MAX_ROWS if self.panel_gemm_name and dtype == torch.bfloat16 else GEMV_MAX_ROWS
+
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
-        if x.shape[0] > GEMV_MAX_ROWS:
+        if x.shape[0] > self.gemv_max_rows(x.dtype):
+            if self.panel_gemm_name and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+                return self.panel_gemm(x, weight, None if bias is None else bias.to(x.dtype))
             return F.linear(x, self.dequantize(weight, x.dtype), bias)
         if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
             return self.gemm(x.float().contiguous(), weight, None if bias is None else bias.float()).to(
@@ -112,11 +142,38 @@ class QuantGemm:
         )
         return out
 
-    def descriptors(self, weights: list[QuantizedWeight], max_rows: int) -> LinearDescriptors:
-        """quant_gemm.c's quant_linear for each of `weights`, all sharing one activation scratch for up to
-        `max_rows` rows (for decoder_stack_quant.c: its Linears run one after another)."""
+    def panel_gemm(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, K] (bfloat16, unit stride over K) @ W^T + bias (bfloat16) -> bfloat16 [rows, N], on
+        dequantized panels of the weight with bfloat16 tiles (quant_panel_gemm.c; panel_gemm_name not None)."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        self._panel_gemm(
+            _FORMAT_CODES[weight.format],
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            weight.values.data_ptr(),
+            weight.scales.data_ptr(),
+            tensor_address(weight.mins),
+            tensor_address(bias),
+            out.data_ptr(),
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype) -> LinearDescriptors:
+        """quant_gemm.c's quant_linear for each of `weights` with activations of `dtype`, all sharing one
+        activation scratch for the GEMV's rows (for decoder_stack_quant*.c: its Linears run one after another;
+        in bfloat16 with panels, it takes any number of rows)."""
+        gemv_rows = self.gemv_max_rows(dtype)
+        max_rows = ANY_ROWS if self.panel_gemm_name and dtype == torch.bfloat16 else gemv_rows
         max_k = max(weight.shape[1] for weight in weights)
-        scratch = torch.empty(self._scratch_bytes(max_rows, max_k), dtype=torch.uint8)
+        scratch = torch.empty(self._scratch_bytes(gemv_rows, max_k), dtype=torch.uint8)
         table = torch.empty(len(weights), _DESCRIPTOR_FIELDS, dtype=torch.int64)
         for row, weight in zip(table, weights, strict=True):
             self._init_descriptor(
@@ -126,7 +183,7 @@ class QuantGemm:
                 weight.scales.data_ptr(),
                 tensor_address(weight.mins),
                 scratch.data_ptr(),
-                max_rows,
+                gemv_rows,
                 max_k,
             )
         return LinearDescriptors(table, scratch, max_rows)
@@ -151,7 +208,7 @@ class QuantGemm:
 
 
 class LinearDescriptors(NamedTuple):
-    """quant_linear structs (rows of `table`, in order) and the activation scratch they point to, which holds
+    """quant_linear structs (rows of `table`, in order) and the activation scratch they point to, for steps of
     up to `max_rows` rows (the tensors they point to must outlive them)."""
 
     table: torch.Tensor

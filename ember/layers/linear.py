@@ -88,21 +88,28 @@ def attach_quant_gemm(model: nn.Module, kernels: str) -> QuantGemm | None:
     return quant_gemm
 
 
-def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm) -> str:
-    """The kernel-path report of the GEMMs with quantized weights: formats, ISA level and dot product."""
+def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dtype) -> str:
+    """The kernel-path report of the GEMMs with quantized weights and activations of `dtype`: formats, ISA
+    level, the GEMV's dot product and rows, and what takes larger batches."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
     floats = sum(m.quantized is None for m in linears)
+    panels = quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16
+    larger = f"bfloat16 panels on {quant_gemm.panel_gemm_name}" if panels else "dequantized + torch"
     return (f"native_quant_{quant_gemm.level} ({'+'.join(formats)}, {quant_gemm.dot_product}; up to "
-            f"{GEMV_MAX_ROWS} rows, else dequantized + torch{f'; {floats} float Linear(s)' if floats else ''})")
+            f"{quant_gemm.gemv_max_rows(dtype)} rows, else {larger}"
+            f"{f'; {floats} float Linear(s)' if floats else ''})")
 
 
-def quantized_stack_path(model: nn.Module, stack_name: str) -> str:
+def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype) -> str:
     """The kernel-path report of the decoder stack for a quantized model whose float stack is `stack_name`
-    (NativeKernels.decoder_stack_name): decoder_stack_quant*.c runs steps of up to GEMV_MAX_ROWS rows where every decoder layer's
-    Linear is quantized; other steps, and models with float Linears in their layers, run op by op."""
+    (NativeKernels.decoder_stack_name) and activations `dtype`: decoder_stack_quant*.c runs the steps (in
+    float32, or without bfloat16 panels, those of up to GEMV_MAX_ROWS rows) where every decoder layer's Linear is
+    quantized; other steps, and models with float Linears in their layers, run op by op."""
     layers = getattr(model, "layers", None)
     linears = [] if layers is None else [m for m in layers.modules() if isinstance(m, Linear)]
     if stack_name == "off" or not linears or any(m.quantized is None for m in linears):
         return "off"
+    if linears[0].quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
+        return f"{stack_name}_quant (every step)"
     return f"{stack_name}_quant (steps of up to {GEMV_MAX_ROWS} rows; larger ones op by op)"

@@ -19,7 +19,7 @@ from torch import nn
 from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
 from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
-from ember.kernels.quant_gemm import GEMV_MAX_ROWS, LinearDescriptors, tensor_address
+from ember.kernels.quant_gemm import LinearDescriptors, tensor_address
 from ember.kernels.quantized_weight import QuantizedWeight, cat_rows
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import AttentionMetadata, PagedAttention
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 return None
         stack = self._decoder_stack_layers(kv_caches)
-        # Quantized weights: decode-sized steps only; larger ones multiply dequantized weights op by op.
+        # Quantized weights without bfloat16 panels: decode-sized steps only; larger ones run op by op.
         if stack is None or (stack.quantized is not None and hidden.shape[0] > stack.quantized.max_rows):
             return None
         return self.native.decoder_stack(stack.layers, self.norm.weight, hidden, cos, sin,
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
             if all(p.gemm_weight is not None for p in linears):
                 weights = [p.gemm_weight.data_ptr() for p in linears]
             elif all(p.quantized is not None and p.quant_gemm is not None for p in linears):
-                descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], GEMV_MAX_ROWS)
+                descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
                 weights = [descriptors.address(i) for i in range(len(linears))]
             else:
                 weights = None

@@ -1,8 +1,9 @@
 """The decoder stack (every layer of a step in one native call: decoder_stack.c in bfloat16 with AMX or AVX512-BF16,
 decoder_stack_f32.c in float32 at each ISA level this CPU runs) against the same native kernels called op by op:
 the same kernels in the same order, so greedy tokens and logprobs must be identical, bit for bit. Likewise
-decoder_stack_quant.c (quantized Linear weights, bfloat16) against the op-by-op quantized path, for the steps it
-takes (up to GEMV_MAX_ROWS rows)."""
+decoder_stack_quant.c (quantized Linear weights, bfloat16: every step, the GEMV's and the dequantized panels'
+row counts) and decoder_stack_quant_f32.c (float32: steps of up to GEMV_MAX_ROWS rows) against the op-by-op
+quantized path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ember import LLM, SamplingParams
 from ember.errors import EmberError
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
-from ember.kernels.quant_gemm import GEMV_MAX_ROWS
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 from tests.conftest import build_tiny_model_dir
 
 # head_dim 32 and widths that are whole AMX tiles: the smallest shape the native kernels take.
@@ -102,19 +103,28 @@ def assert_same_outputs(expected_outputs: list, got_outputs: list) -> None:
         ]
 
 
-# int8 weights (per output row) on the tiny model; the real GGUF's Q4_1/Q8_0 blocks: tests/kernels/
-# test_quantized_engine.py. 3 prompts: a 42-row prefill step (op by op: past GEMV_MAX_ROWS), then decode steps of
-# 3 rows; 6 prompts through 16-row steps: prompt chunks, mixed with decodes, all in the stack.
-@pytest.mark.parametrize(("num_prompts", "step_tokens", "op_by_op_steps"), [(3, 1024, 1), (6, GEMV_MAX_ROWS, 0)])
+# int8 weights (per output row) on the tiny model, at each bfloat16 level (panels on AMX tiles or AVX512-BF16
+# vectors); the real GGUF's Q4_1/Q8_0 blocks: below and tests/kernels/test_quantized_engine.py. 3 prompts: a
+# 42-row prefill step (panels), then decode steps of 3 rows (the GEMV); 6 prompts through 16-row steps: prompt
+# chunks mixed with decodes, on both sides of PANEL_GEMV_MAX_ROWS.
+@pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "bfloat16"])
+@pytest.mark.parametrize(("num_prompts", "step_tokens"), [(3, 1024), (6, GEMV_MAX_ROWS)])
 def test_quantized_decoder_stack_matches_op_by_op(
-    stack_model_dir: Path, num_prompts: int, step_tokens: int, op_by_op_steps: int
+    stack_model_dir: Path, kernels: str, num_prompts: int, step_tokens: int
 ) -> None:
-    skip_without_stack("bfloat16", "native")
+    skip_without_stack("bfloat16", kernels)
     prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * (i % 5))] for i in range(num_prompts)]
-    reference, _, _ = generate(stack_model_dir, "bfloat16", "native", False, prompts, step_tokens, "int8")
-    stacked, calls, steps = generate(stack_model_dir, "bfloat16", "native", True, prompts, step_tokens, "int8")
-    assert calls == steps - op_by_op_steps >= 11
+    reference, _, _ = generate(stack_model_dir, "bfloat16", kernels, False, prompts, step_tokens, "int8")
+    stacked, calls, steps = generate(stack_model_dir, "bfloat16", kernels, True, prompts, step_tokens, "int8")
+    assert calls == steps >= 11
     assert_same_outputs(reference, stacked)
+    llm = LLM(str(stack_model_dir), kernels=kernels, num_threads=2, quantization="int8")
+    assert llm.engine.runner.kernel_paths["decoder_stack"] == f"native_{kernels}_quant (every step)"
+    dot_product = llm.engine.runner.quant_gemm.dot_product
+    assert llm.engine.runner.kernel_paths["gemm"] == (
+        f"native_quant_{kernels} (int8, {dot_product}; up to {PANEL_GEMV_MAX_ROWS} rows, else bfloat16 panels on "
+        f"{kernels})"
+    )
 
 
 @pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "float32"])
@@ -137,11 +147,11 @@ def test_float32_quantized_decoder_stack_matches_op_by_op(stack_model_dir: Path,
 
 @pytest.mark.slow
 def test_quantized_decoder_stack_matches_op_by_op_on_smollm2_gguf(smollm2_gguf_path: Path) -> None:
-    """The shipped GGUF's own Q4_1/Q8_0 blocks (quantization gguf), 4 prompts through 16-row steps: every step
-    in the stack."""
+    """The shipped GGUF's own Q4_1/Q8_0 blocks (quantization gguf), 4 prompts through 64-row steps: every step
+    in the stack, the GEMV's and the panels' row counts."""
     skip_without_stack("bfloat16", "native")
     prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * i)] for i in range(4)]
-    reference, _, _ = generate(smollm2_gguf_path, "bfloat16", "native", False, prompts, GEMV_MAX_ROWS, "gguf")
-    stacked, calls, steps = generate(smollm2_gguf_path, "bfloat16", "native", True, prompts, GEMV_MAX_ROWS, "gguf")
+    reference, _, _ = generate(smollm2_gguf_path, "bfloat16", "native", False, prompts, 64, "gguf")
+    stacked, calls, steps = generate(smollm2_gguf_path, "bfloat16", "native", True, prompts, 64, "gguf")
     assert calls == steps >= 11
     assert_same_outputs(reference, stacked)

@@ -12,7 +12,8 @@ from gguf.quants import dequantize, quantize
 
 from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_flags, cpu_isa_level, level_at_least
-from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm
+from ember.kernels.native import load_native_kernels
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGemm
 from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
@@ -123,6 +124,33 @@ def test_linear_switches_to_the_dequantized_gemm_past_the_decode_rows(
     error = (decode - (x[:2] @ dense.T + bias)).abs().max()
     assert error <= 0.02 * (x[:2] @ dense.T).abs().max(), error
     assert kernels.linear(x[:2].bfloat16(), weight, None).dtype == torch.bfloat16
+
+
+PANEL_LEVELS = [level for level in ("amx", "avx512_bf16") if level_at_least(cpu_isa_level(), level)]
+
+
+@pytest.mark.parametrize("level", PANEL_LEVELS)
+@pytest.mark.parametrize("format", FORMATS)
+def test_panels_equal_the_bfloat16_gemm_on_the_dequantized_weight(level: str, format: str) -> None:
+    """quant_panel_gemm.c dequantizes panels as dequantize_weight does and runs the bfloat16 GEMM's own tiles: bit
+    for bit the native GEMM on the weight dequantized to bfloat16, at row counts with and without a tail of a
+    GEMM's row group, and the linear() batches past the GEMV's rows take it."""
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    kernels = QuantGemm(level)
+    native = load_native_kernels(level, torch.device("cpu"), torch.bfloat16, (N, K), 32, 1)
+    assert kernels.panel_gemm_name == level and native.gemm_name == level
+    weight, dense = random_weight(format, seed=5)
+    packed = native.pack_gemm_weight(kernels.dequantize(weight, torch.bfloat16))
+    bias = torch.randn(N).bfloat16()
+    for rows in (1, PANEL_GEMV_MAX_ROWS + 1, 32, 45, 100):
+        x = torch.randn(rows, K).bfloat16()
+        expected = native.gemm(x, packed, bias)
+        assert torch.equal(kernels.panel_gemm(x, weight, bias), expected), rows
+        exact = x.float() @ dense.T + bias.float()  # only the weights' rounding to bfloat16 and the sums differ
+        assert (expected.float() - exact).abs().max() <= 0.01 * exact.abs().max(), rows
+        if rows > PANEL_GEMV_MAX_ROWS:
+            assert torch.equal(kernels.linear(x, weight, bias), expected), rows
 
 
 def test_the_cpus_own_level_uses_vnni_where_it_has_it(kernels: QuantGemm) -> None:
