@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ember.engine.resources import DEFAULT_MAX_MODEL_LEN_CAP
 from ember.errors import EmberError
 from ember.kernels import KERNEL_CHOICES
@@ -17,7 +19,7 @@ from ember.kernels.cpu import cpu_isa_level, kernel_level
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # none: float weights (a GGUF file's blocks dequantized at load); gguf: a GGUF file's Q8_0/Q4_0/Q4_1 Linear
 # weights kept in their blocks; int8: every Linear weight quantized per output channel at load.
-QUANTIZATION_CHOICES = ("none", "gguf", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
@@ -100,7 +102,7 @@ class EngineArgs:
     kernels: str = field(default_factory=lambda: os.environ.get("EMBER_KERNELS", "auto"))
     seed: int = 0
     # Linear weights run quantized (ember/kernels/quant_gemm.c) on CPU: QUANTIZATION_CHOICES.
-    quantization: str = "none"
+    quantization: str = "auto"
     # Speculative decoding; a dict or JSON object is turned into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Tensor parallelism: the model's layers split across this many ranks (ember/engine/parallel.py).
@@ -147,11 +149,19 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EmberError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
 
+    def quantization_for(self, device: torch.device) -> str:
+        """What --quantization means on `device`: "auto" keeps a GGUF file's blocks only on CPU, with the native
+        kernels and without tensor parallelism; elsewhere it is "none"."""
+        if self.quantization == "auto" and (device.type != "cpu" or self.kernels == "torch"
+                                            or self.tensor_parallel_size > 1):
+            return "none"
+        return self.quantization
+
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise EmberError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
-        if self.quantization == "none":
+        if self.quantization in ("auto", "none"):
             return
         if self.device.startswith("cuda"):
             raise EmberError(f"quantization {self.quantization} runs on CPU kernels only; use --quantization none "
@@ -206,6 +216,9 @@ class EngineArgs:
                            help="how the Linear layers' weights are held on CPU: none = float in --dtype (a GGUF "
                                 "file's blocks dequantized at load); gguf = a .gguf file's Q8_0/Q4_0/Q4_1 weights "
                                 "kept in their blocks and run by native kernels that dequantize in registers; "
+                                "auto = with a .gguf file on CPU with native kernels, both: the blocks for "
+                                "decode-sized batches (read at their 4.5-8.5 bits a weight), the dequantized "
+                                "weights for larger ones; else none; "
                                 "int8 = every weight quantized to int8 per output channel at load, from any "
                                 "checkpoint (default: %(default)s)")
         group.add_argument("--seed", type=int, default=defaults.seed,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -47,9 +47,9 @@ class PreparedRequest:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device),
-                            quantization=args.quantization)
+        device = resolve_device(args.device)
+        self.args = args = replace(args, quantization=args.quantization_for(device))
+        loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source

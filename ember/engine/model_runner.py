@@ -27,6 +27,7 @@ from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
 from ember.layers.linear import (
     attach_quant_gemm,
+    attach_quant_gemm_beside_floats,
     pack_gemm_weights,
     pack_linear_weights,
     quantize_linears_int8,
@@ -65,7 +66,10 @@ class ModelRunner:
         if args.quantization == "int8":
             logger.info("quantization int8: %d Linear weights quantized per output channel",
                         quantize_linears_int8(self.model))
-        self.quant_gemm = attach_quant_gemm(self.model, args.kernels)
+        if args.quantization == "auto":
+            self.quant_gemm = attach_quant_gemm_beside_floats(self.model, args.kernels, self.dtype)
+        else:
+            self.quant_gemm = attach_quant_gemm(self.model, args.kernels)
         layout = self.model.layout
         peak = self.load_memory.peak_growth_bytes
         logger.info("rank %d of %d loaded %.1f MiB of weights; resident memory peaked %s MiB above its level "
@@ -100,9 +104,11 @@ class ModelRunner:
         self.kernel_level = self.native.level if self.native is not None else "none"
         self.kernel_paths = kernel_paths(self.native)
         if self.quant_gemm is not None:
-            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm, self.dtype)
+            self.kernel_paths["gemm"] = quantized_gemm_path(self.model, self.quant_gemm, self.dtype,
+                                                            self.kernel_paths["gemm"])
             self.kernel_paths["decoder_stack"] = quantized_stack_path(
-                self.model, "off" if self.native is None else self.native.decoder_stack_name, self.dtype)
+                self.model, "off" if self.native is None else self.native.decoder_stack_name, self.dtype,
+                self.kernel_paths["decoder_stack"])
         logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
                     self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,

@@ -25,7 +25,7 @@ _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # The most rows the GEMV takes: past them the float GEMM on the dequantized weight is faster, and with bfloat16
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
-PANEL_GEMV_MAX_ROWS = 6
+PANEL_GEMV_MAX_ROWS = 4
 
 
 class QuantGemm:
@@ -186,7 +186,7 @@ class QuantGemm:
                 gemv_rows,
                 max_k,
             )
-        return LinearDescriptors(table, scratch, max_rows)
+        return LinearDescriptors(table, scratch, gemv_rows, max_rows)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [N, K] of `dtype` (float32 or bfloat16; others through float32)."""
@@ -209,10 +209,11 @@ class QuantGemm:
 
 class LinearDescriptors(NamedTuple):
     """quant_linear structs (rows of `table`, in order) and the activation scratch they point to, for steps of
-    up to `max_rows` rows (the tensors they point to must outlive them)."""
+    up to `max_rows` rows, the GEMV's up to `gemv_rows` (the tensors they point to must outlive them)."""
 
     table: torch.Tensor
     scratch: torch.Tensor
+    gemv_rows: int
     max_rows: int
 
     def address(self, index: int) -> int:

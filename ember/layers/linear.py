@@ -6,18 +6,24 @@ third of every matmul. Packing once at load time removes them, with bit-identica
 oneDNN copy: packed float32 is not faster there and rounds differently. Where the native GEMM takes every
 row count (AMX in bfloat16; f32_gemm.c in float32), it replaces oneDNN and the oneDNN copy is not made.
 
-With `--quantization`, the weight is a QuantizedWeight instead (GGUF blocks or int8) and `weight` is None:
-forward runs quant_gemm.c on it, dequantizing only in registers."""
+With `--quantization gguf|int8`, the weight is a QuantizedWeight instead (GGUF blocks or int8) and `weight` is
+None: forward runs quant_gemm.c on it, dequantizing only in registers. With `auto` (a GGUF file) a Linear holds
+both: the blocks for decode-sized batches, the float weight (and its packed copies) for larger ones."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.errors import EmberError
 from ember.kernels.native import ANY_ROWS, NativeKernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
 from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -40,7 +46,9 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        # With both (--quantization auto), the blocks take the GEMV's batches and the float weight the rest.
+        if self.quantized is not None and (
+                self.weight is None or x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype)):
             return self.quant_gemm.linear(x, self.quantized, self.bias)
         if self.gemm_weight is not None and 0 < x.shape[0] <= self.native.gemm_max_rows:
             return self.native.gemm(x, self.gemm_weight, self.bias)
@@ -53,7 +61,7 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Pre-pack for oneDNN every Linear of `model` that the native GEMM does not take at every row count
     (bfloat16 weights on a CPU with native bfloat16; after loading and pack_gemm_weights)."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantized is None and (
+        if isinstance(module, Linear) and module.weight is not None and (
                 module.gemm_weight is None or module.native.gemm_max_rows < ANY_ROWS):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
 
@@ -61,7 +69,7 @@ def pack_linear_weights(model: nn.Module) -> None:
 def pack_gemm_weights(model: nn.Module, native: NativeKernels) -> None:
     """Give every Linear whose shape the native GEMM takes its re-laid-out weight (after loading)."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantized is None:
+        if isinstance(module, Linear) and module.weight is not None:
             module.gemm_weight = native.pack_gemm_weight(module.weight.detach())
 
 
@@ -88,28 +96,61 @@ def attach_quant_gemm(model: nn.Module, kernels: str) -> QuantGemm | None:
     return quant_gemm
 
 
-def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dtype) -> str:
+def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch.dtype) -> QuantGemm | None:
+    """--quantization auto: every Linear of `model` that came in quantized blocks (a GGUF file) also takes its
+    weight dequantized to `dtype`, so that decode-sized batches read the blocks (QuantGemm's GEMV: a fraction
+    of the bytes) and larger ones run the float GEMM, faster there than on the blocks. Where the quantized
+    kernels cannot run, the blocks are dropped (--quantization none). The quantized GEMM, or None."""
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    if not quantized:
+        return None
+    try:
+        quant_gemm = load_quant_gemm(kernels)
+    except EmberError as exc:
+        logger.info("quantization auto: the GGUF blocks are dequantized at load (%s)", exc)
+        quant_gemm = None
+    for module in quantized:
+        module.weight = nn.Parameter(module.quantized.dequantize().to(dtype), requires_grad=False)
+        if quant_gemm is None:
+            module.quantized = None
+        else:
+            module.quant_gemm = quant_gemm
+    return quant_gemm
+
+
+def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dtype, float_gemm: str) -> str:
     """The kernel-path report of the GEMMs with quantized weights and activations of `dtype`: formats, ISA
-    level, the GEMV's dot product and rows, and what takes larger batches."""
+    level, the GEMV's dot product and rows, and what takes larger batches (`float_gemm`: the float weights'
+    path, where Linears hold both)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
     floats = sum(m.quantized is None for m in linears)
-    panels = quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16
-    larger = f"bfloat16 panels on {quant_gemm.panel_gemm_name}" if panels else "dequantized + torch"
+    if any(m.quantized is not None and m.weight is not None for m in linears):
+        larger = f"the dequantized weights on {float_gemm}"
+    elif quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
+        larger = f"bfloat16 panels on {quant_gemm.panel_gemm_name}"
+    else:
+        larger = "dequantized + torch"
     return (f"native_quant_{quant_gemm.level} ({'+'.join(formats)}, {quant_gemm.dot_product}; up to "
             f"{quant_gemm.gemv_max_rows(dtype)} rows, else {larger}"
             f"{f'; {floats} float Linear(s)' if floats else ''})")
 
 
-def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype) -> str:
+def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype, float_stack: str) -> str:
     """The kernel-path report of the decoder stack for a quantized model whose float stack is `stack_name`
-    (NativeKernels.decoder_stack_name) and activations `dtype`: decoder_stack_quant*.c runs the steps (in
-    float32, or without bfloat16 panels, those of up to GEMV_MAX_ROWS rows) where every decoder layer's Linear is
-    quantized; other steps, and models with float Linears in their layers, run op by op."""
+    (NativeKernels.decoder_stack_name, reported as `float_stack`) and activations `dtype`: decoder_stack_quant*.c
+    runs the steps (in float32, or without bfloat16 panels, those of up to GEMV_MAX_ROWS rows; where Linears
+    hold float weights too, those of the GEMV's rows, the float stack the rest) where every decoder layer's Linear
+    is quantized; other steps, and models with float Linears in their layers, run op by op."""
     layers = getattr(model, "layers", None)
     linears = [] if layers is None else [m for m in layers.modules() if isinstance(m, Linear)]
-    if stack_name == "off" or not linears or any(m.quantized is None for m in linears):
+    if stack_name == "off" or not linears:
         return "off"
-    if linears[0].quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
+    if any(m.quantized is None for m in linears):
+        return float_stack if all(m.weight is not None for m in linears) else "off"
+    quant_gemm = linears[0].quant_gemm
+    if all(m.weight is not None for m in linears):
+        return f"{stack_name}_quant (steps of up to {quant_gemm.gemv_max_rows(dtype)} rows), else {float_stack}"
+    if quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
         return f"{stack_name}_quant (every step)"
     return f"{stack_name}_quant (steps of up to {GEMV_MAX_ROWS} rows; larger ones op by op)"

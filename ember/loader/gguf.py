@@ -213,7 +213,8 @@ def _blocks(tensor: Any, block_type: str, permuted_heads: int | None) -> Quantiz
 
 def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
               quantization: str = "none") -> LoadedModel:
-    """quantization "gguf" keeps the Linear layers' Q8_0/Q4_0/Q4_1 blocks (see the module docstring)."""
+    """quantization "gguf" (and "auto") keeps the Linear layers' Q8_0/Q4_0/Q4_1 blocks (see the module
+    docstring)."""
     reader = open_gguf(path)
     splits = metadata_value(reader, "split.count", 1)
     if splits > 1:
@@ -231,7 +232,7 @@ def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch
         source = GGUFTensor(rope_freqs, path)
         factors = source.read(0, 0, source.shape[0]).double().numpy()
         config = replace(config, rope_scaling=_llama3_rope_scaling(factors, config.rope_theta, config.head_dim, path))
-    state_dict = _tensor_sources(reader, path, config, quantization == "gguf")
+    state_dict = _tensor_sources(reader, path, config, quantization in ("gguf", "auto"))
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(path))
 
 

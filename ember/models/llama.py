@@ -112,12 +112,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class _StackTable(NamedTuple):
-    """The decoder stack's per-layer pointers [num_layers, 9] and the model's shape; for quantized weights the
-    descriptors the pointers lead to (decoder_stack_quant.c), kept alive with the table."""
+    """The model's shape and the decoder stack's per-layer pointers [num_layers, 9]: `layers` with the float
+    weights packed for the native GEMM (decoder_stack.c), `quantized_layers` with quantized weights' descriptors
+    (decoder_stack_quant.c; `descriptors` keeps them alive), either None where the model's Linears lack them."""
 
-    layers: torch.Tensor
     shape: DecoderStackShape
-    quantized: LinearDescriptors | None
+    layers: torch.Tensor | None
+    quantized_layers: torch.Tensor | None
+    descriptors: LinearDescriptors | None
+
+    def pick(self, rows: int) -> tuple[torch.Tensor, bool] | None:
+        """(table, quantized) for a step of `rows` rows: the quantized stack for the rows its descriptors
+        take, first its GEMV's where the float one also runs (--quantization auto); None: op by op."""
+        if self.descriptors is not None and (
+                rows <= self.descriptors.gemv_rows or (self.layers is None and rows <= self.descriptors.max_rows)):
+            return self.quantized_layers, True
+        return None if self.layers is None else (self.layers, False)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -199,45 +209,50 @@ class LlamaForCausalLM(nn.Module):
             else:
                 return None
         stack = self._decoder_stack_layers(kv_caches)
-        # Quantized weights without bfloat16 panels: decode-sized steps only; larger ones run op by op.
-        if stack is None or (stack.quantized is not None and hidden.shape[0] > stack.quantized.max_rows):
+        picked = None if stack is None else stack.pick(hidden.shape[0])
+        if picked is None:
             return None
-        return self.native.decoder_stack(stack.layers, self.norm.weight, hidden, cos, sin,
-                                         attn_metadata.slot_mapping, decodes, chunks, stack.shape,
-                                         stack.quantized is not None)
+        layers, quantized = picked
+        return self.native.decoder_stack(layers, self.norm.weight, hidden, cos, sin, attn_metadata.slot_mapping,
+                                         decodes, chunks, stack.shape, quantized)
 
     def _decoder_stack_layers(self, kv_caches: list[torch.Tensor]) -> _StackTable | None:
-        """The decoder stack's table of per-layer pointers and the model's shape (built once per KV cache); None
-        when a projection has neither a packed weight for the native GEMM (a shape it cannot take) nor, in a
-        model whose projections are all quantized, a quantized one."""
+        """The decoder stack's tables of per-layer pointers and the model's shape (built once per KV cache); None
+        when the projections have neither packed weights for the native GEMM (a shape it cannot take) nor, in
+        a model whose projections are all quantized, quantized ones."""
         if self._stack_layers is None or self._stack_layers[0] != kv_caches[0].data_ptr():
             projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                             layer.mlp.down_proj) for layer in self.layers]
             linears = [p for layer in projections for p in layer]
             descriptors = None
-            if all(p.gemm_weight is not None for p in linears):
-                weights = [p.gemm_weight.data_ptr() for p in linears]
-            elif all(p.quantized is not None and p.quant_gemm is not None for p in linears):
+            if all(p.quantized is not None and p.quant_gemm is not None for p in linears):
                 descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
-                weights = [descriptors.address(i) for i in range(len(linears))]
-            else:
-                weights = None
             stack = None
-            if weights is not None:
-                rows = []
-                for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                    attn = layer.self_attn
-                    qkv, o, gate_up, down = weights[4 * index : 4 * index + 4]
-                    rows.append([layer.input_layernorm.weight.data_ptr(), qkv, tensor_address(attn.qkv_proj.bias), o,
-                                 tensor_address(attn.o_proj.bias), layer.post_attention_layernorm.weight.data_ptr(),
-                                 gate_up, down, kv_cache.data_ptr()])
+            float_weights = all(p.gemm_weight is not None for p in linears)
+            if float_weights or descriptors is not None:
                 config = self.config
                 shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
                                           config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
                                           config.rms_norm_eps)
-                stack = _StackTable(torch.tensor(rows, dtype=torch.int64), shape, descriptors)
+                float_table = self._stack_table([p.gemm_weight.data_ptr() for p in linears], kv_caches) \
+                    if float_weights else None
+                quantized_table = None if descriptors is None else self._stack_table(
+                    [descriptors.address(i) for i in range(len(linears))], kv_caches)
+                stack = _StackTable(shape, float_table, quantized_table, descriptors)
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
+
+    def _stack_table(self, weights: list[int], kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """[num_layers, 9] int64: decoder_stack_body.h's layer_tensors, with `weights` the four projections'
+        (qkv, o, gate_up, down) weight pointers of each layer in order."""
+        rows = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            attn = layer.self_attn
+            qkv, o, gate_up, down = weights[4 * index : 4 * index + 4]
+            rows.append([layer.input_layernorm.weight.data_ptr(), qkv, tensor_address(attn.qkv_proj.bias), o,
+                         tensor_address(attn.o_proj.bias), layer.post_attention_layernorm.weight.data_ptr(), gate_up,
+                         down, kv_cache.data_ptr()])
+        return torch.tensor(rows, dtype=torch.int64)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]: float32, or with upcast=False the model dtype they are

@@ -4,6 +4,7 @@ does not run in (before any weight is read)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ember.cli import build_parser
 from ember.engine.args import QUANTIZATION_CHOICES, EngineArgs
@@ -27,20 +28,21 @@ def test_unknown_values_are_refused_by_the_parser_with_the_choices(
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", "--quantization", "q4"])
     assert exit_info.value.code == 2
-    assert "invalid choice: 'q4' (choose from 'none', 'gguf', 'int8')" in capsys.readouterr().err
+    assert "invalid choice: 'q4' (choose from 'auto', 'none', 'gguf', 'int8')" in capsys.readouterr().err
 
 
 def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--quantization {none,gguf,int8}" in help_text and "dequantize in registers" in help_text
+    assert "--quantization {auto,none,gguf,int8}" in help_text and "dequantize in registers" in help_text
+    assert "auto = with a .gguf file on CPU with native kernels, both" in help_text and "(default: auto)" in help_text
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"quantization": "q4"}, "quantization must be one of none, gguf, int8, got 'q4'"),
+        ({"quantization": "q4"}, "quantization must be one of auto, none, gguf, int8, got 'q4'"),
         (
             {"quantization": "int8", "kernels": "torch"},
             "runs on ember's native kernels, which --kernels torch turns off",
@@ -55,3 +57,22 @@ def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unsupported_combinations_fail_clearly(options: dict, message: str) -> None:
     with pytest.raises(EmberError, match=message):
         EngineArgs(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "device", "expected"),
+    [
+        ({}, "cpu", "auto"),
+        ({}, "cuda", "none"),
+        ({"kernels": "torch"}, "cpu", "none"),
+        ({"tensor_parallel_size": 2}, "cpu", "none"),
+        ({"quantization": "none"}, "cpu", "none"),
+        ({"quantization": "gguf"}, "cpu", "gguf"),
+    ],
+)
+def test_auto_keeps_the_blocks_only_where_the_native_cpu_kernels_run(
+    options: dict, device: str, expected: str
+) -> None:
+    """The default, auto, never refuses a combination: it means none wherever the quantized kernels cannot
+    run (CUDA, --kernels torch, tensor parallelism)."""
+    assert EngineArgs(**options).quantization_for(torch.device(device)) == expected
