@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32 [64 ...]] [--hot] [--dtype float32]
         [--kernels avx512] [--vs-torch] [--per-call]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py quant [--rows 1] [--format q4_1] [--kernels LEVEL]
+        [--panels]
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
 blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
@@ -15,7 +16,8 @@ times torch.nn.functional.linear on the same (unpacked) weights too, and in bflo
 for it, as Linear calls it where the native GEMM does not run (set ONEDNN_MAX_CPU_ISA to keep oneDNN to an older
 CPU's instructions); --per-call sums each call's best time instead of timing the 120 calls as one run. quant: the same 120 Linear layers with quantized weights (random blocks of `--format`)
 through quant_gemm.c, in GB/s of the weights' bytes (values, scales and mins), to compare with
-benchmarks/engine/read_bandwidth.c. --kernels builds the kernels of a lower ISA level than the CPU's. Best of 10.
+benchmarks/engine/read_bandwidth.c; --panels times quant_panel_gemm.c's bfloat16 panels beside it, the
+dequantize + F.linear they replace, and the native GEMM on the weights dequantized to bfloat16. --kernels builds the kernels of a lower ISA level than the CPU's. Best of 10.
 Used for docs/benchmarks.md, "Engine step" and "Quantized weights at run time"."""
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level
 from ember.kernels.native import NativeKernels
-from ember.kernels.quant_gemm import QuantGemm, load_quant_gemm
+from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
 from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
@@ -133,21 +135,27 @@ def random_quantized_weight(format: str, n: int, k: int, generator: torch.Genera
     return QuantizedWeight(format, values, block_floats(), block_floats() if format == "q4_1" else None)
 
 
-def quant(kernels: QuantGemm, rows: int, format: str) -> None:
+def quant(kernels: QuantGemm, rows: int, format: str, panels: bool) -> None:
     generator = torch.Generator().manual_seed(0)
     shapes = LINEAR_SHAPES * LAYERS
     weights = [random_quantized_weight(format, n, k, generator) for n, k in shapes]
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
-
-    def run() -> None:
-        for weight, (_, k) in zip(weights, shapes, strict=True):
-            kernels.gemm(inputs[k], weight)
-
-    seconds = best_time(run)
     weight_bytes = sum(weight.nbytes for weight in weights)
-    print(f"quantized GEMM (native_quant_{kernels.level}, {kernels.dot_product}), {format}, {rows} rows, cold "
-          f"weights of 30 layers ({weight_bytes / 1e6:.1f} MB): {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
-          f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights")
+    runs = {f"GEMV, {kernels.dot_product}": kernels.gemm}
+    if panels:
+        runs = {**({} if rows > GEMV_MAX_ROWS else runs), f"panels on {kernels.panel_gemm_name}": kernels.panel_gemm,
+                "dequantize + F.linear": lambda x, w: F.linear(x, kernels.dequantize(w, torch.bfloat16))}
+    for name, run in runs.items():
+        seconds = best_time(lambda run=run: [run(inputs[k], w) for w, (_, k) in zip(weights, shapes, strict=True)])
+        print(f"quantized GEMM (native_quant_{kernels.level}, {name}), {format}, {rows} rows, cold weights of 30 "
+              f"layers ({weight_bytes / 1e6:.1f} MB): {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
+              f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights")
+    if panels:  # the same weights dequantized to bfloat16, on the native GEMM the panels run
+        native = NativeKernels(HEAD_DIM, QUERIES_PER_KV, kernels.level)
+        packed = [native.pack_gemm_weight(kernels.dequantize(w, torch.bfloat16)) for w in weights]
+        seconds = best_time(lambda: [native.gemm(inputs[k], p, None) for p, (_, k) in zip(packed, shapes, strict=True)])
+        print(f"GEMM torch.bfloat16 (native {native.gemm_name}) on the same weights dequantized, {rows} rows: "
+              f"{seconds * 1e3:.2f} ms for {len(shapes)} calls")
 
 
 def main() -> None:
@@ -163,6 +171,8 @@ def main() -> None:
     parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
     parser.add_argument("--format", choices=QUANT_FORMATS, default="q4_1", help="quant: weight format")
+    parser.add_argument("--panels", action="store_true", help="quant: time the bfloat16 panels, the dequantize + "
+                        "F.linear they replace and the native GEMM on the dequantized weights too")
     parser.add_argument("--kernels", choices=ISA_LEVELS[1:], default=None, help="ISA level (default: the CPU's)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
     args = parser.parse_args()
@@ -170,7 +180,7 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
     if args.kernel == "quant":
         for rows in args.rows:
-            quant(load_quant_gemm(args.kernels or "auto"), rows, args.format)
+            quant(load_quant_gemm(args.kernels or "auto"), rows, args.format, args.panels)
         return
     kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV, args.kernels or cpu_isa_level(), getattr(torch, args.dtype))
     if args.kernel == "attention":
