@@ -9,8 +9,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ember.engine.resources import DEFAULT_MAX_MODEL_LEN_CAP
 from ember.errors import EmberError
 from ember.kernels import KERNEL_CHOICES
@@ -149,10 +147,10 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EmberError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
 
-    def quantization_for(self, device: torch.device) -> str:
-        """What --quantization means on `device`: "auto" keeps a GGUF file's blocks only on CPU, with the native
-        kernels and without tensor parallelism; elsewhere it is "none"."""
-        if self.quantization == "auto" and (device.type != "cpu" or self.kernels == "torch"
+    def quantization_for(self, device_type: str) -> str:
+        """What --quantization means on a device of `device_type` ("cpu", "cuda"): "auto" keeps a GGUF file's
+        blocks only on CPU, with the native kernels and without tensor parallelism; elsewhere it is "none"."""
+        if self.quantization == "auto" and (device_type != "cpu" or self.kernels == "torch"
                                             or self.tensor_parallel_size > 1):
             return "none"
         return self.quantization

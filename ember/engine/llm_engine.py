@@ -48,7 +48,7 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         device = resolve_device(args.device)
-        self.args = args = replace(args, quantization=args.quantization_for(device))
+        self.args = args = replace(args, quantization=args.quantization_for(device.type))
         loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

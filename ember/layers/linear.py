@@ -109,12 +109,17 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
     except EmberError as exc:
         logger.info("quantization auto: the GGUF blocks are dequantized at load (%s)", exc)
         quant_gemm = None
+    block_bytes = sum(module.quantized.nbytes for module in quantized)
     for module in quantized:
         module.weight = nn.Parameter(module.quantized.dequantize().to(dtype), requires_grad=False)
         if quant_gemm is None:
             module.quantized = None
         else:
             module.quant_gemm = quant_gemm
+    if quant_gemm is not None:
+        logger.info("quantization auto: %d Linear weights keep their blocks (%.1f MiB) beside their weights "
+                    "dequantized to %s (%.1f MiB)", len(quantized), block_bytes / 2**20, dtype,
+                    sum(module.weight.nbytes for module in quantized) / 2**20)
     return quant_gemm
 
 

@@ -4,7 +4,6 @@ does not run in (before any weight is read)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ember.cli import build_parser
 from ember.engine.args import QUANTIZATION_CHOICES, EngineArgs
@@ -75,4 +74,4 @@ def test_auto_keeps_the_blocks_only_where_the_native_cpu_kernels_run(
 ) -> None:
     """The default, auto, never refuses a combination: it means none wherever the quantized kernels cannot
     run (CUDA, --kernels torch, tensor parallelism)."""
-    assert EngineArgs(**options).quantization_for(torch.device(device)) == expected
+    assert EngineArgs(**options).quantization_for(device) == expected

@@ -133,8 +133,9 @@ def test_a_killed_worker_fails_the_engine_without_hanging(make_tp_llm):
 
 @pytest.mark.slow
 def test_smollm2_two_ranks_match_one_rank(smollm2_gguf_path, make_tp_llm):
-    """SmolLM2-135M's 9 heads and 3 KV heads split unevenly: 1 KV head (3 query heads) on rank 0, 2 on rank 1."""
-    tokenizer_llm = make_tp_llm(str(smollm2_gguf_path))
+    """SmolLM2-135M's 9 heads and 3 KV heads split unevenly: 1 KV head (3 query heads) on rank 0, 2 on rank 1.
+    Both on the weights dequantized at load (what quantization auto means under tensor parallelism)."""
+    tokenizer_llm = make_tp_llm(str(smollm2_gguf_path), quantization="none")
     tokenizer = tokenizer_llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at"]
     prompts = [tokenizer.encode(text) for text in texts]

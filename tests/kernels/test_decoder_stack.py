@@ -155,3 +155,30 @@ def test_quantized_decoder_stack_matches_op_by_op_on_smollm2_gguf(smollm2_gguf_p
     stacked, calls, steps = generate(smollm2_gguf_path, "bfloat16", "native", True, prompts, 64, "gguf")
     assert calls == steps >= 11
     assert_same_outputs(reference, stacked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "bfloat16"])
+def test_auto_quantization_runs_the_blocks_for_decodes_and_the_float_stack_for_the_rest(
+    smollm2_gguf_path: Path, kernels: str
+) -> None:
+    """--quantization auto (the default) on the shipped GGUF: steps of up to PANEL_GEMV_MAX_ROWS rows run the
+    quantized stack's GEMV, larger ones the float stack on the weights dequantized at load, which are the
+    values the panels of --quantization gguf dequantize, on the same tiles: so auto and gguf agree bit for bit.
+    4 prompts in 64-row steps: prompt chunks and decode steps of 1 to 4 rows."""
+    skip_without_stack("bfloat16", kernels)
+    prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * i)] for i in range(4)]
+    gguf, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, True, prompts, 64, "gguf")
+    llm = LLM(str(smollm2_gguf_path), kernels=kernels, num_threads=2, enable_prefix_caching=False,
+              max_num_seqs=len(prompts), max_num_batched_tokens=64)
+    stack = llm.engine.runner.model.native.decoder_stack
+    quantized_calls = []
+    llm.engine.runner.model.native.decoder_stack = lambda *args: quantized_calls.append(args[-1]) or stack(*args)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    auto = [result.outputs[0] for result in llm.generate(prompts, params)]
+    assert_same_outputs(gguf, auto)
+    assert True in quantized_calls and False in quantized_calls  # both stacks ran
+    paths = llm.engine.runner.kernel_paths
+    assert paths["decoder_stack"] == f"native_{kernels}_quant (steps of up to {PANEL_GEMV_MAX_ROWS} rows), else " \
+                                     f"native_{kernels}"
+    assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else the dequantized weights on native_{kernels})")

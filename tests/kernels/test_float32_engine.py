@@ -21,9 +21,10 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
 
 
 def greedy_tokens(model: Path, kernels: str, max_tokens: int) -> list[list[int]]:
-    # A 32-token step budget splits the longer prompts into chunks that share steps with decodes.
+    # A 32-token step budget splits the longer prompts into chunks that share steps with decodes. The float
+    # kernels on the GGUF's weights dequantized at load (auto's decode rows would read its blocks).
     llm = LLM(str(model), dtype="float32", kernels=kernels, num_threads=2, enable_prefix_caching=False,
-              max_num_seqs=4, max_num_batched_tokens=32)
+              max_num_seqs=4, max_num_batched_tokens=32, quantization="none")
     paths = llm.engine.runner.kernel_paths
     native = kernels != "torch"
     expected = paths["attention_decode"] if native else "torch"

@@ -30,9 +30,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 
 def greedy(model: Path, kernels: str, speculative_config: dict | None = None) -> list:
-    # Three sequences at a time: decode batches of 1-3 rows take the native GEMM (with AMX, every Linear does).
+    # Three sequences at a time: decode batches of 1-3 rows take the native GEMM (with AMX, every Linear does),
+    # on the GGUF's weights dequantized at load (quantization auto would read its blocks for them).
     llm = LLM(str(model), dtype="bfloat16", kernels=kernels, num_threads=1, enable_prefix_caching=False,
-              max_num_seqs=3, speculative_config=speculative_config)
+              max_num_seqs=3, speculative_config=speculative_config, quantization="none")
     runner = llm.engine.runner
     assert (runner.native is not None) == (kernels != "torch")
     if runner.native is not None:  # prompt chunks attend in place, on AMX tiles or AVX-512 vectors

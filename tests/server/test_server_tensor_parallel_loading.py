@@ -144,7 +144,8 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
 ):
     model = request.getfixturevalue(f"large_{model_format}_model")
     with PeakData() as one_rank_data:
-        one = ServerProcess(model, tmp_path / "tp1.log")
+        # The weights dequantized at load, as each rank holds them (quantization auto is none under TP).
+        one = ServerProcess(model, tmp_path / "tp1.log", "--quantization", "none")
         try:
             expected = completions(one)
         finally:
