@@ -3,10 +3,10 @@
 // A decode step's Linear layers are a pass over their weights: memory-bound. oneDNN's AMX GEMM, even on
 // pre-packed weights, streams them well below the memory bandwidth for batches of 8-32 rows;
 // at prefill sizes both are compute-bound, and in the engine this kernel is still the faster one.
-// This kernel reads the weights once, in the order they are stored (the same VNNI re-layout as
-// bf16_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB of contiguous memory), with x
-// in groups of 32 rows (two A tiles of 16). Products of bfloat16 are exact in float32; the sums' order
-// differs from oneDNN's, so outputs can differ from F.linear's by one bfloat16 ulp.
+// This kernel reads the weights once per block of rows (x's rows up to 768 KB), in the order they are
+// stored (the same VNNI re-layout as bf16_gemm.c: [N / 16][K / 2][16][2], so one 16 x 64-byte B tile is 1 KB
+// of contiguous memory), with x in groups of 32 rows (two A tiles of 16). Products of bfloat16 are exact in
+// float32; the sums' order differs from oneDNN's, so outputs can differ from F.linear's by one bfloat16 ulp.
 #define _GNU_SOURCE  // syscall()
 #include <immintrin.h>
 #include <omp.h>
@@ -23,6 +23,11 @@
 #define GROUP_ROWS 32  // rows of x per pass: two A tiles
 #define TILE_ROWS 16
 #define TILE_K 32  // bfloat16 values in a 64-byte tile row
+#define TILE_FLOATS (TILE_ROWS * 16)  // an output tile
+// Prefill sizes (more than one group of rows), where a pair of weight blocks is reused by every group:
+#define SPAN_STEPS 20  // most k-steps of a pair kept in L1 for the groups (20 x 2 KB = 40 KB of its 48 KB)
+#define BLOCK_X_BYTES (768 * 1024)  // x's rows in one block, kept in L2 (2 MB) beside the weights' stream
+#define MAX_BLOCK_GROUPS 16  // caps the split k's partial sums (4 KB per group) on the stack at 64 KB
 
 // Linux hands out AMX state only to processes that ask for it (arch_prctl, Linux 5.16+).
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -63,25 +68,39 @@ static void store_rows(const float *tiles, int count, const uint16_t *bias, int6
     }
 }
 
-// One group of up to GROUP_ROWS rows of x times a pair of 16-output weight blocks (w0, then w1 = w0 + k * 16),
-// with the tiles configured for `rows` rows.
+// One group of up to GROUP_ROWS rows of x times a pair of 16-output weight blocks (w0, then w1 = w0 + k * 16)
+// over k in [k_begin, k_end), with the tiles configured for `rows` rows. The sums start at zero when k_begin is
+// 0, else from `partial` (4 tiles of 16 x 16 float32: exact, so a split k gives the same outputs), and go to
+// `partial` unless k_end is k: then to out. `prefetch`: the weights' first group requests them ahead (later
+// groups find them in L1/L2: their requests would only take load slots).
 static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, const uint16_t *bias, uint16_t *out,
-                       int rows, int64_t n, int64_t k, int64_t col) {
+                       int rows, int64_t n, int64_t k, int64_t col, int64_t k_begin, int64_t k_end, float *partial,
+                       int prefetch) {
     const int first = rows < TILE_ROWS ? rows : TILE_ROWS, second = rows - first;
     const uint16_t *w1 = w0 + k * 16, *x_second = x + TILE_ROWS * x_stride;
     const int64_t x_bytes = x_stride * 2;
     float tiles[2 * TILE_ROWS * 16] __attribute__((aligned(64)));
-    _tile_zero(4);
-    _tile_zero(5);
-    if (second > 0) {
-        _tile_zero(6);
-        _tile_zero(7);
-    }
-    for (int64_t kk = 0; kk < k; kk += TILE_K) {
-        for (int line = 0; line < 1024; line += 64) {
-            _mm_prefetch((const char *)(w0 + kk * 16) + PREFETCH_BYTES + line, _MM_HINT_T1);
-            _mm_prefetch((const char *)(w1 + kk * 16) + PREFETCH_BYTES + line, _MM_HINT_T1);
+    if (k_begin == 0) {
+        _tile_zero(4);
+        _tile_zero(5);
+        if (second > 0) {
+            _tile_zero(6);
+            _tile_zero(7);
         }
+    } else {
+        _tile_loadd(4, partial, 64);
+        _tile_loadd(5, partial + TILE_FLOATS, 64);
+        if (second > 0) {
+            _tile_loadd(6, partial + 2 * TILE_FLOATS, 64);
+            _tile_loadd(7, partial + 3 * TILE_FLOATS, 64);
+        }
+    }
+    for (int64_t kk = k_begin; kk < k_end; kk += TILE_K) {
+        if (prefetch)
+            for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch((const char *)(w0 + kk * 16) + PREFETCH_BYTES + line, _MM_HINT_T1);
+                _mm_prefetch((const char *)(w1 + kk * 16) + PREFETCH_BYTES + line, _MM_HINT_T1);
+            }
         // x's tiles as a stream (TILELOADDT1): they would otherwise evict the pair's weights from L1, which
         // every group of rows reuses (a gain at prefill sizes).
         _tile_stream_loadd(0, x + kk, x_bytes);
@@ -94,6 +113,15 @@ static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, 
             _tile_dpbf16ps(6, 1, 2);
             _tile_dpbf16ps(7, 1, 3);
         }
+    }
+    if (k_end < k) {
+        _tile_stored(4, partial, 64);
+        _tile_stored(5, partial + TILE_FLOATS, 64);
+        if (second > 0) {
+            _tile_stored(6, partial + 2 * TILE_FLOATS, 64);
+            _tile_stored(7, partial + 3 * TILE_FLOATS, 64);
+        }
+        return;
     }
     _tile_stored(4, tiles, 64);
     _tile_stored(5, tiles + TILE_ROWS * 16, 64);
@@ -109,28 +137,33 @@ static void gemm_group(const uint16_t *x, int64_t x_stride, const uint16_t *w0, 
 // x: [rows, k] with row stride x_stride (elements), rows > 0, k a multiple of TILE_K; packed: the weights
 // [n, k] re-laid out as above, n a multiple of 32; bias: [n] or NULL; out: [rows, n].
 // Each thread of the enclosing parallel region takes a range of output-block pairs and runs every group of
-// GROUP_ROWS rows over a pair while its weights sit in L1/L2: the weights leave memory once whatever the
-// number of rows. A last partial group needs another tile configuration, so it runs after the full groups,
-// over the same pairs again. No barrier at the end: callers inside a region add one (decoder_stack.c).
+// GROUP_ROWS rows over a pair while its weights sit in L1/L2: with up to 32 rows (decode) the weights leave
+// memory once, requested PREFETCH_BYTES ahead. With more, the rows go in blocks whose x stays in L2 (a block
+// of rows per pass over the weights: x would otherwise come from memory once per pair), and a long k in spans
+// of a pair's weights that stay in L1 while every group of the block uses them. A last partial group needs
+// another tile configuration. No barrier at the end: callers inside a region add one (decoder_stack.c).
 static void amx_gemm_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                            uint16_t *out, int rows, int64_t n, int64_t k) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    const int full_groups = rows / GROUP_ROWS, tail = rows % GROUP_ROWS;
+    const int groups = (rows + GROUP_ROWS - 1) / GROUP_ROWS;
     const int64_t pairs = n / 32, thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t begin = pairs * thread / threads, end = pairs * (thread + 1) / threads;
-    if (full_groups > 0) {
-        configure_tiles(GROUP_ROWS);  // tile configuration is per thread
+    const int64_t steps = k / TILE_K, spans = groups > 1 ? (steps + SPAN_STEPS - 1) / SPAN_STEPS : 1;
+    const int64_t span = (steps + spans - 1) / spans * TILE_K;
+    const int64_t fit = BLOCK_X_BYTES / (GROUP_ROWS * 2 * k);
+    const int block_groups = fit < 1 ? 1 : fit > MAX_BLOCK_GROUPS ? MAX_BLOCK_GROUPS : (int)fit;
+    float partial[MAX_BLOCK_GROUPS][4 * TILE_FLOATS] __attribute__((aligned(64)));  // a split k's sums, per group
+    int configured = 0;  // the rows the tiles are configured for (the configuration is per thread)
+    for (int block = 0; block < groups; block += block_groups)
         for (int64_t pair = begin; pair < end; pair++)
-            for (int g = 0; g < full_groups; g++)
-                gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
-                           out + g * GROUP_ROWS * n, GROUP_ROWS, n, k, pair * 32);
-    }
-    if (tail > 0) {
-        configure_tiles(tail);
-        for (int64_t pair = begin; pair < end; pair++)
-            gemm_group(x + full_groups * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
-                       out + full_groups * GROUP_ROWS * n, tail, n, k, pair * 32);
-    }
+            for (int64_t k_begin = 0; k_begin < k; k_begin += span)
+                for (int g = block; g < groups && g < block + block_groups; g++) {
+                    const int group_rows = rows - g * GROUP_ROWS < GROUP_ROWS ? rows - g * GROUP_ROWS : GROUP_ROWS;
+                    if (group_rows != configured) configure_tiles(configured = group_rows);
+                    gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, packed + pair * 32 * k, bias,
+                               out + g * GROUP_ROWS * n, group_rows, n, k, pair * 32, k_begin,
+                               k_begin + span < k ? k_begin + span : k, partial[g - block], g == block);
+                }
     _tile_release();
 #endif
 }

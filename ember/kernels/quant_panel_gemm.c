@@ -176,7 +176,8 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
     }
 }
 
-// Every row of x times one dequantized panel: outputs [col, col + PANEL) of out.
+// Every row of x times one dequantized panel: outputs [col, col + PANEL) of out. The panel was just written
+// into cache: gemm_group requests nothing ahead (at 64-256 rows 3-6% faster than requesting it again).
 static void panel_rows(const uint16_t *x, int64_t x_stride, const uint16_t *panel, const uint16_t *bias,
                        uint16_t *out, int rows, int64_t n, int64_t k, int64_t col) {
 #if defined(PANEL_GEMM_AMX)
@@ -185,12 +186,12 @@ static void panel_rows(const uint16_t *x, int64_t x_stride, const uint16_t *pane
         configure_tiles(GROUP_ROWS);
         for (int g = 0; g < full_groups; g++)
             gemm_group(x + g * GROUP_ROWS * x_stride, x_stride, panel, bias, out + g * GROUP_ROWS * n, GROUP_ROWS, n,
-                       k, col);
+                       k, col, 0, k, NULL, 0);
     }
     if (tail > 0) {
         configure_tiles(tail);
         gemm_group(x + full_groups * GROUP_ROWS * x_stride, x_stride, panel, bias, out + full_groups * GROUP_ROWS * n,
-                   tail, n, k, col);
+                   tail, n, k, col, 0, k, NULL, 0);
     }
 #else
     const uint32_t *w0 = (const uint32_t *)panel, *w1 = w0 + k / 2 * 16;

@@ -219,15 +219,19 @@ def bf16_gemm(native: NativeKernels) -> NativeKernels:
     return kernels
 
 
-@pytest.mark.parametrize("rows", [*range(1, 41), 300])
-@pytest.mark.parametrize(("n", "k"), [(64, 34), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_gemm_within_an_ulp_of_the_exact_product(bf16_gemm: NativeKernels, rows: int, n: int, k: int,
-                                                      with_bias: bool) -> None:
-    """Every register tile shape (1 to 8 rows), several tiles and blocks of rows, k in one pass, in pieces
-    (K_STEP) and ending in a partial piece: float32 sums rounded once, so within one bfloat16 ulp of the exact
-    result plus float32's own error on the sum (a random walk of k roundings, well under sqrt(k) of its ulps of
-    the products' magnitude), far below what rounding a partial sum to bfloat16 would add."""
+@pytest.fixture(scope="module")
+def amx_gemm(native: NativeKernels) -> NativeKernels:
+    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, native.level, gemm="amx")
+    if kernels.gemm_name is None:
+        pytest.skip("the CPU lacks AMX")
+    return kernels
+
+
+def assert_within_an_ulp_of_the_exact_product(kernels: NativeKernels, rows: int, n: int, k: int,
+                                              with_bias: bool) -> None:
+    """float32 sums rounded once: within one bfloat16 ulp of the exact result plus float32's own error on the
+    sum (a random walk of k roundings, well under sqrt(k) of its ulps of the products' magnitude), far below
+    what rounding a partial sum to bfloat16 would add."""
     generator = torch.Generator().manual_seed(rows * 7 + k)
     weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
@@ -236,17 +240,34 @@ def test_bf16_gemm_within_an_ulp_of_the_exact_product(bf16_gemm: NativeKernels, 
     magnitude = x.double().abs() @ weight.double().abs().T
     if bias is not None:
         exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
-    out = bf16_gemm.gemm(x, bf16_gemm.pack_gemm_weight(weight), bias)
+    out = kernels.gemm(x, kernels.pack_gemm_weight(weight), bias)
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-126))) - 7)
     assert ((out.double() - exact).abs() <= ulp + k**0.5 * 2.0**-24 * magnitude).all()
 
 
-def test_amx_gemm_needs_k_in_tiles(native: NativeKernels) -> None:
-    kernels = NativeKernels(HEAD_DIM, HEADS // KV_HEADS, native.level, gemm="amx")
-    if kernels.gemm_name is None:
-        pytest.skip("the CPU lacks AMX")
-    assert kernels.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles
-    assert kernels.pack_gemm_weight(torch.zeros(64, 64).bfloat16()) is not None
+@pytest.mark.parametrize("rows", [*range(1, 41), 300])
+@pytest.mark.parametrize(("n", "k"), [(64, 34), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_within_an_ulp_of_the_exact_product(bf16_gemm: NativeKernels, rows: int, n: int, k: int,
+                                                      with_bias: bool) -> None:
+    """Every register tile shape (1 to 8 rows), several tiles and blocks of rows, k in one pass, in pieces
+    (K_STEP) and ending in a partial piece."""
+    assert_within_an_ulp_of_the_exact_product(bf16_gemm, rows, n, k, with_bias)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 32, 45, 300, 600])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_gemm_within_an_ulp_of_the_exact_product(amx_gemm: NativeKernels, rows: int, n: int, k: int,
+                                                     with_bias: bool) -> None:
+    """One group of rows (decode), a last partial group, k = 1536 in spans whose sums wait in float32 between
+    them (more than one group), and 600 rows of k = 576 in two blocks of rows."""
+    assert_within_an_ulp_of_the_exact_product(amx_gemm, rows, n, k, with_bias)
+
+
+def test_amx_gemm_needs_k_in_tiles(amx_gemm: NativeKernels) -> None:
+    assert amx_gemm.pack_gemm_weight(torch.zeros(64, 48).bfloat16()) is None  # K = 48: not whole 32-wide tiles
+    assert amx_gemm.pack_gemm_weight(torch.zeros(64, 64).bfloat16()) is not None
 
 
 @pytest.mark.parametrize("width", [49152, 1000, 37, 16, 1])
