@@ -8,6 +8,7 @@ tiles; otherwise the weight is dequantized whole for PyTorch's GEMM (oneDNN)."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -113,9 +114,7 @@ class QuantGemm:
     ) -> torch.Tensor:
         """x [rows, K] (float32 or bfloat16, unit stride over K) @ W^T + bias (x's dtype) -> [rows, N] in x's
         dtype, the activations quantized to int8 per block of 32 first (quant_gemm.c)."""
-        rows, k = x.shape
-        n = weight.shape[0]
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1 or k != weight.shape[1]:
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1 or x.shape[1] != weight.shape[1]:
             raise ValueError(
                 f"quantized GEMM needs float32 or bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, "
                 f"got {x.dtype} {tuple(x.shape)}"
@@ -124,46 +123,28 @@ class QuantGemm:
             raise ValueError(
                 f"quantized GEMM needs a contiguous bias of x's dtype {x.dtype}, got {bias.dtype}"
             )
-        out = torch.empty(rows, n, dtype=x.dtype)
-        self._gemm(
-            _FORMAT_CODES[weight.format],
-            x.data_ptr(),
-            x.dtype == torch.bfloat16,
-            x.stride(0),
-            rows,
-            weight.values.data_ptr(),
-            weight.scales.data_ptr(),
-            tensor_address(weight.mins),
-            tensor_address(bias),
-            out.data_ptr(),
-            n,
-            k,
-            torch.get_num_threads(),
-        )
-        return out
+        return self._run(self._gemm, x, weight, bias, x.dtype == torch.bfloat16)
 
     def panel_gemm(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [rows, K] (bfloat16, unit stride over K) @ W^T + bias (bfloat16) -> bfloat16 [rows, N], on
         dequantized panels of the weight with bfloat16 tiles (quant_panel_gemm.c; panel_gemm_name not None)."""
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"panel GEMM needs bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        return self._run(self._panel_gemm, x, weight, bias)
+
+    @staticmethod
+    def _run(function: Callable[..., object], x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+             *x_flags: int) -> torch.Tensor:
+        """function(format, x, *x_flags, x's row stride, rows, the weight's arrays, bias, out, N, K, threads)."""
         rows, k = x.shape
         n = weight.shape[0]
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        self._panel_gemm(
-            _FORMAT_CODES[weight.format],
-            x.data_ptr(),
-            x.stride(0),
-            rows,
-            weight.values.data_ptr(),
-            weight.scales.data_ptr(),
-            tensor_address(weight.mins),
-            tensor_address(bias),
-            out.data_ptr(),
-            n,
-            k,
-            torch.get_num_threads(),
-        )
+        out = torch.empty(rows, n, dtype=x.dtype)
+        function(_FORMAT_CODES[weight.format], x.data_ptr(), *x_flags, x.stride(0), rows, weight.values.data_ptr(),
+                 weight.scales.data_ptr(), tensor_address(weight.mins), tensor_address(bias), out.data_ptr(), n, k,
+                 torch.get_num_threads())
         return out
 
     def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype) -> LinearDescriptors:
