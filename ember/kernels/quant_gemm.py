@@ -41,39 +41,10 @@ class QuantGemm:
         self.panel_gemm_name = (
             ("amx" if level_at_least(level, "amx") else "avx512_bf16") if library.quant_panel_gemm_supported() else None
         )
-        self._panel_gemm = bind(
-            library,
-            "quant_panel_gemm",
-            _int,
-            _pointer,
-            _int64,
-            _int64,
-            _pointer,
-            _pointer,
-            _pointer,
-            _pointer,
-            _pointer,
-            _int64,
-            _int64,
-            _int,
-        )
-        self._gemm = bind(
-            library,
-            "quant_gemm",
-            _int,
-            _pointer,
-            _int,
-            _int64,
-            _int64,
-            _pointer,
-            _pointer,
-            _pointer,
-            _pointer,
-            _pointer,
-            _int64,
-            _int64,
-            _int,
-        )
+        # (format, x, [x_bf16,] x_stride, rows, qs, scales, mins, bias, out, n, k, threads): the panels take bfloat16 x only.
+        after_x = (_int64, _int64, *(_pointer,) * 5, _int64, _int64, _int)
+        self._panel_gemm = bind(library, "quant_panel_gemm", _int, _pointer, *after_x)
+        self._gemm = bind(library, "quant_gemm", _int, _pointer, _int, *after_x)
         self._scratch_bytes = library.quant_linear_scratch_bytes
         self._scratch_bytes.argtypes, self._scratch_bytes.restype = [_int64, _int64], _int64
         self._init_descriptor = bind(
