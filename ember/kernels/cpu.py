@@ -29,8 +29,8 @@ _LEVEL_FLAGS = {
 _LEVEL_COMPILE_FLAGS = {
     "avx2": ("-march=x86-64-v3",),
     "avx512": ("-march=x86-64-v4",),
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
-    "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
 }
 
 

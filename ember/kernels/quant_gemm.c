@@ -29,7 +29,8 @@
 #define BLOCK 32
 #define ROW_TILE 4
 
-enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3 };
+// INT8_PANELS: INT8's values stored as w + 128 in w8a8_panel_gemm.c's panel layout, for its batches only.
+enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4 };
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 

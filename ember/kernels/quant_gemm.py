@@ -21,7 +21,7 @@ from ember.kernels.native import ANY_ROWS
 from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}  # quant_gemm.c's enum weight_format
+_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "int8_panels": 4}  # quant_gemm.c's enum weight_format
 _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # The most rows the GEMV takes: past them the float GEMM on the dequantized weight is faster, and with bfloat16
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
@@ -41,6 +41,8 @@ class QuantGemm:
         self.panel_gemm_name = (
             ("amx" if level_at_least(level, "amx") else "avx512_bf16") if library.quant_panel_gemm_supported() else None
         )
+        # int8 weights past the GEMV run with int8 activations per row (w8a8_panel_gemm.c) rather than on bfloat16 panels.
+        self.panel_w8a8 = bool(library.quant_panel_gemm_w8a8())
         # (format, x, [x_bf16,] x_stride, rows, qs, scales, mins, bias, out, n, k, threads): the panels take bfloat16 x only.
         after_x = (_int64, _int64, *(_pointer,) * 5, _int64, _int64, _int)
         self._panel_gemm = bind(library, "quant_panel_gemm", _int, _pointer, *after_x)
@@ -70,6 +72,9 @@ class QuantGemm:
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
+        if weight.format == "int8_panels":  # batches only; any rows, bfloat16
+            return self.panel_gemm(x.bfloat16().contiguous(), weight,
+                                   None if bias is None else bias.bfloat16()).to(x.dtype)
         if x.shape[0] > self.gemv_max_rows(x.dtype):
             if self.panel_gemm_name and x.dtype == torch.bfloat16 and x.stride(1) == 1:
                 return self.panel_gemm(x, weight, None if bias is None else bias.to(x.dtype))
@@ -90,6 +95,8 @@ class QuantGemm:
                 f"quantized GEMM needs float32 or bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
+        if weight.format == "int8_panels":
+            raise ValueError("int8_panels weights run on panel_gemm only (the GEMV reads weights by rows)")
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             raise ValueError(
                 f"quantized GEMM needs a contiguous bias of x's dtype {x.dtype}, got {bias.dtype}"
@@ -104,6 +111,8 @@ class QuantGemm:
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"panel GEMM needs bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, got "
                              f"{x.dtype} {tuple(x.shape)}")
+        if weight.format == "int8_panels" and not self.panel_w8a8:
+            raise ValueError(f"int8_panels weights need the W8A8 panels, which ISA level {self.level} lacks")
         return self._run(self._panel_gemm, x, weight, bias)
 
     @staticmethod

@@ -67,6 +67,11 @@ static inline void transpose_16x16_epi32(__m512i *v) {
     }
 }
 
+#if defined(PANEL_GEMM_BF16) && defined(__AVX512VNNI__)
+#define PANEL_W8A8 1
+#include "w8a8_panel_gemm.c"
+#endif
+
 // 16 lines of the VNNI layout (line L: k-pair L of block b for 16 weight rows, 32 bfloat16) from the block's
 // 8-bit values of those rows (row i at q + i * row_bytes): each row's block dequantized in k order is one vector
 // of 16 k-pairs, and a 16 x 16 transpose of the pairs makes the lines. scales: the 16 rows' block scales.
@@ -211,6 +216,12 @@ static void quant_panel_gemm_share(const quant_linear *w, const uint16_t *x, int
     const int64_t panels = n / PANEL, thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t begin = panels * thread / threads, end = panels * (thread + 1) / threads;
     if (begin == end) return;
+#if defined(PANEL_W8A8)
+    if (w->format == INT8_PANELS || (w->format == INT8 && w8a8_takes(k))) {
+        w8a8_panel_gemm_share(w->qs, w->format == INT8_PANELS, w->scales, x, x_stride, bias, out, rows, n, k);
+        return;
+    }
+#endif
     // The panel (bfloat16) and its block scales and mins (float32): this thread's cache-resident scratch.
     uint16_t *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(uint16_t) + 2 * (size_t)(k / BLOCK * PANEL) * sizeof(float));
     float *scales = (float *)(panel + PANEL * k), *mins = scales + k / BLOCK * PANEL;
@@ -225,12 +236,22 @@ static void quant_panel_gemm_share(const quant_linear *w, const uint16_t *x, int
 #endif
 }
 
+// 1 where int8 weights (INT8) run with int8 activations past the GEMV (w8a8_panel_gemm.c), 0 where on
+// bfloat16 panels like the other formats.
+int quant_panel_gemm_w8a8(void) {
+#if defined(PANEL_W8A8)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // out = x @ W^T + bias from inside a parallel region (decoder_stack_quant.c's GEMM): the GEMV for as many
-// rows as w's activation scratch holds, panels past them. Bit-identical to QuantGemm.linear, which draws the
+// rows as w's activation scratch holds, panels past them (INT8_PANELS: panels for every row count). Bit-identical to QuantGemm.linear, which draws the
 // same line.
 static void quant_linear_share(const quant_linear *w, const uint16_t *x, int64_t x_stride, const uint16_t *bias,
                                uint16_t *out, int rows, int64_t n, int64_t k) {
-    if (rows <= w->scratch_rows)
+    if (rows <= w->scratch_rows && w->format != INT8_PANELS)
         quant_gemm_share(w, x, 1, x_stride, bias, out, rows, n, k);
     else
         quant_panel_gemm_share(w, x, x_stride, bias, out, rows, n, k);

@@ -8,6 +8,10 @@ Formats (QUANT_FORMATS):
   arrays so that the kernel loads aligned runs of each.
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
+- "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
+  w8a8_panel_gemm.c ([N / 32][2][K / 4][16][4]), which runs them with int8 activations at every batch size
+  without re-laying them out per call. Made at load for --quantization auto's batches (N a multiple of 32, K of
+  W8A8_GROUP); its rows are interleaved, so it takes no row operations.
 
 Rows are independent (blocks run along a row), so the loader's row operations (q/k un-permutation, q/k/v and
 gate/up concatenation) apply to every array of a weight alike."""
@@ -21,7 +25,8 @@ import numpy as np
 import torch
 
 BLOCK = 32
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "int8", "int8_panels")
+PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
 GGUF_BLOCK_FORMATS = {
     "Q8_0": ("q8_0", 2 + BLOCK),
@@ -33,8 +38,8 @@ GGUF_BLOCK_FORMATS = {
 @dataclass(frozen=True)
 class QuantizedWeight:
     format: str
-    values: torch.Tensor  # int8 [N, K] (q8_0, int8) or uint8 nibbles [N, K / 2] (q4_0, q4_1)
-    scales: torch.Tensor  # float16 [N, K / 32], or float32 [N] for int8
+    values: torch.Tensor  # int8 [N, K] (q8_0, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1) or panels (int8_panels)
+    scales: torch.Tensor  # float16 [N, K / 32], or float32 [N] for int8 and int8_panels
     mins: torch.Tensor | None = None  # float16 [N, K / 32], q4_1 only
 
     @property
@@ -65,6 +70,9 @@ class QuantizedWeight:
         n, k = self.shape
         if self.format == "int8":
             return self.scales[:, None] * self.values.float()
+        if self.format == "int8_panels":
+            values = self.values.view(n // PANEL_OUTPUTS, 2, k // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, k)
+            return self.scales[:, None] * (values.float() - 128)
         scales = self.scales.float()[:, :, None]
         if self.format == "q8_0":
             return (scales * self.values.view(n, -1, BLOCK).float()).view(n, k)
@@ -98,6 +106,14 @@ class QuantizedWeight:
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         values = torch.round(weight * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls("int8", values.contiguous(), scales.contiguous())
+
+
+def int8_panels(weight: QuantizedWeight) -> QuantizedWeight:
+    """An "int8" weight ([N, K], N a multiple of PANEL_OUTPUTS, K of W8A8_GROUP) as "int8_panels"."""
+    n, k = weight.shape
+    unsigned = (weight.values.to(torch.int16) + 128).to(torch.uint8)
+    panels = unsigned.view(n // PANEL_OUTPUTS, 2, 16, k // 4, 4).permute(0, 1, 3, 2, 4).reshape(n, k)
+    return QuantizedWeight("int8_panels", panels.contiguous(), weight.scales)
 
 
 def cat_rows(

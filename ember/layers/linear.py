@@ -8,7 +8,9 @@ row count (AMX in bfloat16; f32_gemm.c in float32), it replaces oneDNN and the o
 
 With `--quantization gguf|int8`, the weight is a QuantizedWeight instead (GGUF blocks or int8) and `weight` is
 None: forward runs quant_gemm.c on it, dequantizing only in registers. With `auto` (a GGUF file) a Linear holds
-both: the blocks for decode-sized batches, the float weight (and its packed copies) for larger ones."""
+the blocks for decode-sized batches and, for larger ones, the float weight (and its packed copies) or, where
+the CPU runs int8 weights with int8 activations faster than bfloat16 (AVX512-VNNI without AMX), an int8 copy
+(`batch_quantized`)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 from ember.errors import EmberError
 from ember.kernels.native import ANY_ROWS, NativeKernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
-from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
+from ember.kernels.quantized_weight import BLOCK, PANEL_OUTPUTS, W8A8_GROUP, QuantizedWeight, int8_panels
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class Linear(nn.Linear):
     native: NativeKernels | None = None
     gemm_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    # --quantization auto where batches run W8A8: the weight as int8 per channel, for batches past the GEMV's rows.
+    batch_quantized: QuantizedWeight | None = None
     quant_gemm: QuantGemm | None = None
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
@@ -46,10 +50,14 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With both (--quantization auto), the blocks take the GEMV's batches and the float weight the rest.
-        if self.quantized is not None and (
-                self.weight is None or x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype)):
-            return self.quant_gemm.linear(x, self.quantized, self.bias)
+        # With two (--quantization auto), the blocks take the GEMV's batches and the int8 or float weight the rest.
+        if self.quantized is not None:
+            if x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype):
+                return self.quant_gemm.linear(x, self.quantized, self.bias)
+            if self.batch_quantized is not None:
+                return self.quant_gemm.linear(x, self.batch_quantized, self.bias)
+            if self.weight is None:
+                return self.quant_gemm.linear(x, self.quantized, self.bias)
         if self.gemm_weight is not None and 0 < x.shape[0] <= self.native.gemm_max_rows:
             return self.native.gemm(x, self.gemm_weight, self.bias)
         if self.packed_weight is not None:
@@ -97,10 +105,13 @@ def attach_quant_gemm(model: nn.Module, kernels: str) -> QuantGemm | None:
 
 
 def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch.dtype) -> QuantGemm | None:
-    """--quantization auto: every Linear of `model` that came in quantized blocks (a GGUF file) also takes its
-    weight dequantized to `dtype`, so that decode-sized batches read the blocks (QuantGemm's GEMV: a fraction
-    of the bytes) and larger ones run the float GEMM, faster there than on the blocks. Where the quantized
-    kernels cannot run, the blocks are dropped (--quantization none). The quantized GEMM, or None."""
+    """--quantization auto: every Linear of `model` that came in quantized blocks (a GGUF file) keeps them for
+    decode-sized batches (QuantGemm's GEMV: a fraction of the bytes) and takes a second weight for larger ones,
+    where the arithmetic outweighs the bytes: in bfloat16 on a CPU whose quantized panels run int8 weights with
+    int8 activations (QuantGemm.panel_w8a8), the weight dequantized and re-quantized to int8 per output channel
+    (twice the multiply-adds per instruction of bfloat16); elsewhere the weight dequantized to `dtype`, for the
+    float GEMM. Where the quantized kernels cannot run, the blocks are dropped (--quantization none). The
+    quantized GEMM, or None."""
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     if not quantized:
         return None
@@ -109,17 +120,26 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
     except EmberError as exc:
         logger.info("quantization auto: the GGUF blocks are dequantized at load (%s)", exc)
         quant_gemm = None
+    w8a8 = quant_gemm is not None and quant_gemm.panel_w8a8 and dtype == torch.bfloat16
     block_bytes = sum(module.quantized.nbytes for module in quantized)
     for module in quantized:
-        module.weight = nn.Parameter(module.quantized.dequantize().to(dtype), requires_grad=False)
+        if w8a8 and module.in_features % W8A8_GROUP == 0 and module.out_features % PANEL_OUTPUTS == 0:
+            module.batch_quantized = int8_panels(QuantizedWeight.int8_per_channel(module.quantized.dequantize()))
+            module.weight = None
+        else:
+            module.weight = nn.Parameter(module.quantized.dequantize().to(dtype), requires_grad=False)
         if quant_gemm is None:
             module.quantized = None
         else:
             module.quant_gemm = quant_gemm
     if quant_gemm is not None:
-        logger.info("quantization auto: %d Linear weights keep their blocks (%.1f MiB) beside their weights "
-                    "dequantized to %s (%.1f MiB)", len(quantized), block_bytes / 2**20, dtype,
-                    sum(module.weight.nbytes for module in quantized) / 2**20)
+        batch = [m.batch_quantized for m in quantized if m.batch_quantized is not None]
+        floats = [m.weight for m in quantized if m.weight is not None]
+        logger.info("quantization auto: %d Linear weights keep their blocks (%.1f MiB) for up to %d rows; larger "
+                    "batches run %d on int8 copies with int8 activations (%.1f MiB) and %d on weights dequantized "
+                    "to %s (%.1f MiB)", len(quantized), block_bytes / 2**20, quant_gemm.gemv_max_rows(dtype),
+                    len(batch), sum(w.nbytes for w in batch) / 2**20, len(floats), dtype,
+                    sum(w.nbytes for w in floats) / 2**20)
     return quant_gemm
 
 
@@ -130,10 +150,15 @@ def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dt
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
     floats = sum(m.quantized is None for m in linears)
-    if any(m.quantized is not None and m.weight is not None for m in linears):
+    w8a8 = f"int8 activations per {W8A8_GROUP} (w8a8_vnni)"
+    if any(m.batch_quantized is not None for m in linears):
+        larger = f"int8 copies of the weights with {w8a8}"
+    elif any(m.quantized is not None and m.weight is not None for m in linears):
         larger = f"the dequantized weights on {float_gemm}"
     elif quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
         larger = f"bfloat16 panels on {quant_gemm.panel_gemm_name}"
+        if quant_gemm.panel_w8a8 and "int8" in formats:
+            larger += f", int8 weights with {w8a8}"
     else:
         larger = "dequantized + torch"
     return (f"native_quant_{quant_gemm.level} ({'+'.join(formats)}, {quant_gemm.dot_product}; up to "
@@ -154,6 +179,9 @@ def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype, 
     if any(m.quantized is None for m in linears):
         return float_stack if all(m.weight is not None for m in linears) else "off"
     quant_gemm = linears[0].quant_gemm
+    if all(m.batch_quantized is not None for m in linears):
+        return (f"{stack_name}_quant (every step: the blocks up to {quant_gemm.gemv_max_rows(dtype)} rows, else the "
+                f"int8 copies)")
     if all(m.weight is not None for m in linears):
         return f"{stack_name}_quant (steps of up to {quant_gemm.gemv_max_rows(dtype)} rows), else {float_stack}"
     if quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ember.engine.parallel import ShardLayout, TensorParallelGroup
 from ember.errors import ModelLoadError
-from ember.kernels.native import ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
+from ember.kernels.native import ANY_ROWS, ChunkRows, DecodeRows, DecoderStackShape, NativeKernels
 from ember.kernels.quant_gemm import LinearDescriptors, tensor_address
 from ember.kernels.quantized_weight import QuantizedWeight, cat_rows
 from ember.layers.activation import SiluAndMul
@@ -112,22 +112,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class _StackTable(NamedTuple):
-    """The model's shape and the decoder stack's per-layer pointers [num_layers, 9]: `layers` with the float
-    weights packed for the native GEMM (decoder_stack.c), `quantized_layers` with quantized weights' descriptors
-    (decoder_stack_quant.c; `descriptors` keeps them alive), either None where the model's Linears lack them."""
+    """The model's shape and the decoder stack's per-layer pointer tables ([num_layers, 9] each), in the order a
+    step's rows pick them: (most rows, table, quantized) with `quantized` tables holding quantized weights'
+    descriptors (decoder_stack_quant.c) and the others float weights packed for the native GEMM
+    (decoder_stack.c). `descriptors` keeps the quantized tables' descriptors alive."""
 
     shape: DecoderStackShape
-    layers: torch.Tensor | None
-    quantized_layers: torch.Tensor | None
-    descriptors: LinearDescriptors | None
+    choices: tuple[tuple[int, torch.Tensor, bool], ...]
+    descriptors: tuple[LinearDescriptors, ...]
 
     def pick(self, rows: int) -> tuple[torch.Tensor, bool] | None:
-        """(table, quantized) for a step of `rows` rows: the quantized stack for the rows its descriptors
-        take, first its GEMV's where the float one also runs (--quantization auto); None: op by op."""
-        if self.descriptors is not None and (
-                rows <= self.descriptors.gemv_rows or (self.layers is None and rows <= self.descriptors.max_rows)):
-            return self.quantized_layers, True
-        return None if self.layers is None else (self.layers, False)
+        """(table, quantized) for a step of `rows` rows; None: op by op."""
+        for most_rows, table, quantized in self.choices:
+            if rows <= most_rows:
+                return table, quantized
+        return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -224,21 +223,32 @@ class LlamaForCausalLM(nn.Module):
             projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                             layer.mlp.down_proj) for layer in self.layers]
             linears = [p for layer in projections for p in layer]
-            descriptors = None
+            # Decode-sized steps on the quantized blocks (their GEMV's rows), then larger ones on int8 copies
+            # (--quantization auto where batches run W8A8), on the float weights, or on the blocks' panels.
+            choices = []
+            blocks = batch = None
             if all(p.quantized is not None and p.quant_gemm is not None for p in linears):
-                descriptors = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
+                blocks = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
+                choices.append((blocks.gemv_rows, blocks))
+            if all(p.batch_quantized is not None for p in linears):
+                batch = linears[0].quant_gemm.descriptors([p.batch_quantized for p in linears], self.native.dtype)
+                choices.append((batch.max_rows, batch))
+            if all(p.gemm_weight is not None for p in linears):
+                choices.append((ANY_ROWS, [p.gemm_weight.data_ptr() for p in linears]))
+            if blocks is not None:
+                choices.append((blocks.max_rows, blocks))
             stack = None
-            float_weights = all(p.gemm_weight is not None for p in linears)
-            if float_weights or descriptors is not None:
+            if choices:
                 config = self.config
                 shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
                                           config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
                                           config.rms_norm_eps)
-                float_table = self._stack_table([p.gemm_weight.data_ptr() for p in linears], kv_caches) \
-                    if float_weights else None
-                quantized_table = None if descriptors is None else self._stack_table(
-                    [descriptors.address(i) for i in range(len(linears))], kv_caches)
-                stack = _StackTable(shape, float_table, quantized_table, descriptors)
+                tables = []
+                for most_rows, weights in choices:
+                    quantized = isinstance(weights, LinearDescriptors)
+                    addresses = [weights.address(i) for i in range(len(linears))] if quantized else weights
+                    tables.append((most_rows, self._stack_table(addresses, kv_caches), quantized))
+                stack = _StackTable(shape, tuple(tables), tuple(d for d in (blocks, batch) if d is not None))
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
 

@@ -43,4 +43,4 @@ def test_compile_flags_per_level() -> None:
     assert compile_flags("amx", "amx") == ("-march=native",)
     assert compile_flags("avx2", "amx") == ("-march=x86-64-v3", "-mtune=native")
     assert compile_flags("avx512", "avx512_bf16") == ("-march=x86-64-v4", "-mtune=native")
-    assert compile_flags("avx512_bf16", "amx") == ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native")
+    assert compile_flags("avx512_bf16", "amx") == ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native")

@@ -120,10 +120,11 @@ def test_quantized_decoder_stack_matches_op_by_op(
     assert_same_outputs(reference, stacked)
     llm = LLM(str(stack_model_dir), kernels=kernels, num_threads=2, quantization="int8")
     assert llm.engine.runner.kernel_paths["decoder_stack"] == f"native_{kernels}_quant (every step)"
-    dot_product = llm.engine.runner.quant_gemm.dot_product
+    quant_gemm = llm.engine.runner.quant_gemm
+    w8a8 = ", int8 weights with int8 activations per 64 (w8a8_vnni)" if quant_gemm.panel_w8a8 else ""
     assert llm.engine.runner.kernel_paths["gemm"] == (
-        f"native_quant_{kernels} (int8, {dot_product}; up to {PANEL_GEMV_MAX_ROWS} rows, else bfloat16 panels on "
-        f"{kernels})"
+        f"native_quant_{kernels} (int8, {quant_gemm.dot_product}; up to {PANEL_GEMV_MAX_ROWS} rows, else bfloat16 "
+        f"panels on {kernels}{w8a8})"
     )
 
 
@@ -159,26 +160,46 @@ def test_quantized_decoder_stack_matches_op_by_op_on_smollm2_gguf(smollm2_gguf_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "bfloat16"])
-def test_auto_quantization_runs_the_blocks_for_decodes_and_the_float_stack_for_the_rest(
+def test_auto_quantization_runs_the_blocks_for_decodes_and_another_stack_for_the_rest(
     smollm2_gguf_path: Path, kernels: str
 ) -> None:
-    """--quantization auto (the default) on the shipped GGUF: steps of up to PANEL_GEMV_MAX_ROWS rows run the
-    quantized stack's GEMV, larger ones the float stack on the weights dequantized at load, which are the
-    values the panels of --quantization gguf dequantize, on the same tiles: so auto and gguf agree bit for bit.
-    4 prompts in 64-row steps: prompt chunks and decode steps of 1 to 4 rows."""
+    """--quantization auto (the default) on the shipped GGUF, 4 prompts in 64-row steps (prompt chunks and decode
+    steps of 1 to 4 rows): steps of up to PANEL_GEMV_MAX_ROWS rows run the quantized stack's GEMV on the blocks,
+    larger ones another table:
+    - with AMX, the float stack on the weights dequantized at load, which are the values the panels of
+      --quantization gguf dequantize, on the same tiles: so auto and gguf agree bit for bit;
+    - at avx512_bf16 (VNNI, no AMX), the quantized stack on int8 copies of the weights with int8 activations
+      (W8A8): bit for bit the op-by-op path on the same weights, and the same first tokens as gguf."""
     skip_without_stack("bfloat16", kernels)
     prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * i)] for i in range(4)]
     gguf, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, True, prompts, 64, "gguf")
     llm = LLM(str(smollm2_gguf_path), kernels=kernels, num_threads=2, enable_prefix_caching=False,
               max_num_seqs=len(prompts), max_num_batched_tokens=64)
     stack = llm.engine.runner.model.native.decoder_stack
-    quantized_calls = []
-    llm.engine.runner.model.native.decoder_stack = lambda *args: quantized_calls.append(args[-1]) or stack(*args)
+    tables = []
+    llm.engine.runner.model.native.decoder_stack = lambda *args: tables.append((args[0].data_ptr(), args[-1])) or \
+        stack(*args)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     auto = [result.outputs[0] for result in llm.generate(prompts, params)]
-    assert_same_outputs(gguf, auto)
-    assert True in quantized_calls and False in quantized_calls  # both stacks ran
+    assert len(set(tables)) == 2  # the blocks' table and the batches' table both ran
     paths = llm.engine.runner.kernel_paths
-    assert paths["decoder_stack"] == f"native_{kernels}_quant (steps of up to {PANEL_GEMV_MAX_ROWS} rows), else " \
-                                     f"native_{kernels}"
-    assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else the dequantized weights on native_{kernels})")
+    if not llm.engine.runner.quant_gemm.panel_w8a8:
+        assert_same_outputs(gguf, auto)
+        assert {quantized for _, quantized in tables} == {True, False}
+        assert paths["decoder_stack"] == f"native_{kernels}_quant (steps of up to {PANEL_GEMV_MAX_ROWS} rows), " \
+                                         f"else native_{kernels}"
+        assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else the dequantized weights on "
+                                      f"native_{kernels})")
+        return
+    op_by_op, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, False, prompts, 64, "auto")
+    assert_same_outputs(op_by_op, auto)
+    # The prompts' first tokens come from the prompt steps, where the two differ most (W8A8 against bfloat16
+    # panels on the blocks); later tokens of these random prompts can go another way at near ties.
+    for g, a in zip(gguf, auto, strict=True):
+        assert g.token_ids[0] == a.token_ids[0]
+        assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(g.logprobs[0][g.token_ids[0]].logprob, abs=0.3)
+    assert {quantized for _, quantized in tables} == {True}
+    assert paths["decoder_stack"] == f"native_{kernels}_quant (every step: the blocks up to {PANEL_GEMV_MAX_ROWS} " \
+                                     f"rows, else the int8 copies)"
+    assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else int8 copies of the weights with int8 "
+                                  f"activations per 64 (w8a8_vnni))")

@@ -1,6 +1,8 @@
 """quant_gemm.c (quantized weights used as stored) against a reference computed the same way in float64, for
 every weight format and each ISA level this CPU can run: AVX2's vpmaddubsw dot products at "avx2" and
-"avx512" (x86-64-v4 has no VNNI), VNNI's vpdpbusd where the CPU's own level has it."""
+"avx512" (x86-64-v4 has no VNNI), VNNI's vpdpbusd where the CPU's own level has it and at "avx512_bf16" and
+"amx" (every CPU with AVX512-BF16 has AVX512-VNNI); and the batch paths of quant_panel_gemm.c: bfloat16 panels,
+and int8 weights with int8 activations (w8a8_panel_gemm.c) at "avx512_bf16"."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_flags, cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGemm
-from ember.kernels.quantized_weight import BLOCK, QuantizedWeight
+from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, int8_panels
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
@@ -140,6 +142,9 @@ def test_panels_equal_the_bfloat16_gemm_on_the_dequantized_weight(level: str, fo
     kernels = QuantGemm(level)
     native = load_native_kernels(level, torch.device("cpu"), torch.bfloat16, (N, K), 32, 1)
     assert kernels.panel_gemm_name == level and native.gemm_name == level
+    assert kernels.panel_w8a8 == (level == "avx512_bf16")
+    if format == "int8" and kernels.panel_w8a8:
+        pytest.skip("int8 weights run W8A8 here: test_w8a8_panels_compute_the_same_math")
     weight, dense = random_weight(format, seed=5)
     packed = native.pack_gemm_weight(kernels.dequantize(weight, torch.bfloat16))
     bias = torch.randn(N).bfloat16()
@@ -153,8 +158,81 @@ def test_panels_equal_the_bfloat16_gemm_on_the_dequantized_weight(level: str, fo
             assert torch.equal(kernels.linear(x, weight, bias), expected), rows
 
 
+def w8a8_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """w8a8_panel_gemm.c's math: x quantized per row and group of 64 (s = max|x| / 127, round half to even of
+    x * (1 / s)), each group's dot product with w + 128 exact, then in float32 and its order: the groups' scaled
+    sums, less the sum of s * 128 * sum(q), times the row's weight scale, plus bias, rounded to bfloat16."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // W8A8_GROUP, W8A8_GROUP)
+    s = groups.abs().amax(dim=2) / 127.0
+    q = torch.round(groups * torch.where(s != 0, 1.0 / s, torch.zeros_like(s))[:, :, None])
+    unsigned = weight.values.double().view(-1, k // W8A8_GROUP, W8A8_GROUP) + 128
+    dots = torch.einsum("rgi,ngi->rng", q.double(), unsigned).float()  # exact: below 2^24
+    total, offset = torch.zeros(rows, weight.shape[0]), torch.zeros(rows)
+    for g in range(k // W8A8_GROUP):
+        total = total + dots[:, :, g] * s[:, g : g + 1]
+        offset = offset + s[:, g] * (128 * q[:, g].sum(dim=1))
+    y = (total - offset[:, None]) * weight.scales[None, :]
+    return (y if bias is None else y + bias.float()).bfloat16()
+
+
+@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16 (and VNNI)")
+@pytest.mark.parametrize("k", [K, 1536])
+def test_w8a8_panels_compute_the_same_math(k: int) -> None:
+    """At "avx512_bf16", int8 weights of whole groups of 64 run with int8 activations: bit for bit the reference,
+    at row counts with and without a tail of a tile (6 rows), with and without bias, from linear() past the
+    GEMV's rows too; activations with outliers (a heavy tail) stay within 2% of the float product."""
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    kernels = QuantGemm("avx512_bf16")
+    generator = torch.Generator().manual_seed(3)
+    weight = QuantizedWeight.int8_per_channel(torch.randn(N, k, generator=generator))
+    bias = torch.randn(N, generator=generator).bfloat16()
+    for rows in (PANEL_GEMV_MAX_ROWS + 1, 6, 13, 100):
+        x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator).pow(4) * 8).bfloat16()
+        for b in (bias, None):
+            got = kernels.panel_gemm(x, weight, b)
+            assert torch.equal(got, w8a8_reference(x, weight, b)), (rows, b is None)
+        assert torch.equal(kernels.linear(x, weight, bias), kernels.panel_gemm(x, weight, bias))
+        exact = x.float() @ weight.dequantize().T
+        assert (kernels.panel_gemm(x, weight, None).float() - exact).abs().max() <= 0.02 * exact.abs().max(), rows
+
+
+@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16 (and VNNI)")
+def test_int8_panels_hold_the_int8_weight_laid_out_for_w8a8() -> None:
+    """The weight re-laid out once at load (--quantization auto's batches) gives the int8 weight's results at
+    every row count (the GEMV's included: int8_panels always runs W8A8) and dequantizes to the same values."""
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    kernels = QuantGemm("avx512_bf16")
+    weight = QuantizedWeight.int8_per_channel(torch.randn(N, K, generator=torch.Generator().manual_seed(4)))
+    panels = int8_panels(weight)
+    assert panels.shape == weight.shape and torch.equal(panels.dequantize(), weight.dequantize())
+    bias = torch.randn(N).bfloat16()
+    for rows in (1, 4, 7, 64):
+        x = torch.randn(rows, K).bfloat16()
+        assert torch.equal(kernels.linear(x, panels, bias), kernels.panel_gemm(x, weight, bias)), rows
+    with pytest.raises(ValueError, match="panel_gemm only"):
+        kernels.gemm(torch.randn(2, K), panels)
+
+
+@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16")
+def test_int8_weights_of_partial_groups_take_bfloat16_panels() -> None:
+    """A width that is not whole groups of 64 (13 x 32) keeps the bfloat16 panels: the native GEMM's result on
+    the dequantized weight."""
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    kernels = QuantGemm("avx512_bf16")
+    native = load_native_kernels("avx512_bf16", torch.device("cpu"), torch.bfloat16, (N, ODD_K), 32, 1)
+    weight, _ = random_weight("int8", seed=8, k=ODD_K)
+    x = torch.randn(20, ODD_K).bfloat16()
+    expected = native.gemm(x, native.pack_gemm_weight(kernels.dequantize(weight, torch.bfloat16)), None)
+    assert torch.equal(kernels.panel_gemm(x, weight, None), expected)
+
+
 def test_the_cpus_own_level_uses_vnni_where_it_has_it(kernels: QuantGemm) -> None:
     vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags() and kernels.level == cpu_isa_level()
+    vnni = vnni or kernels.level in ("avx512_bf16", "amx")  # built with -mavx512vnni
     assert kernels.dot_product == ("vnni" if vnni else "avx2_maddubs")
 
 
