@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level
 from ember.kernels.native import NativeKernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
-from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight
+from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight, int8_panels
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) per decoder layer
@@ -129,9 +129,10 @@ def gemm(kernels: NativeKernels, rows: int, hot: bool, vs_torch: bool, per_call:
 
 def random_quantized_weight(format: str, n: int, k: int, generator: torch.Generator) -> QuantizedWeight:
     """Random blocks of `format` (the bytes a kernel reads; their values do not change its speed)."""
-    if format == "int8":
+    if format in ("int8", "int8_panels"):
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-        return QuantizedWeight(format, values, torch.rand(n, generator=generator) * 0.01)
+        weight = QuantizedWeight("int8", values, torch.rand(n, generator=generator) * 0.01)
+        return int8_panels(weight) if format == "int8_panels" else weight
     width = k if format == "q8_0" else k // 2
     values = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=generator)
     if format == "q8_0":
@@ -149,7 +150,7 @@ def quant(kernels: QuantGemm, rows: int, format: str, panels: bool) -> None:
     weights = [random_quantized_weight(format, n, k, generator) for n, k in shapes]
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
     weight_bytes = sum(weight.nbytes for weight in weights)
-    runs = {f"GEMV, {kernels.dot_product}": kernels.gemm}
+    runs = {} if format == "int8_panels" else {f"GEMV, {kernels.dot_product}": kernels.gemm}
     if panels:
         runs = {**({} if rows > GEMV_MAX_ROWS else runs), f"panels on {kernels.panel_gemm_name}": kernels.panel_gemm,
                 "dequantize + F.linear": lambda x, w: F.linear(x, kernels.dequantize(w, torch.bfloat16))}

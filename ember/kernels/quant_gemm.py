@@ -151,6 +151,8 @@ class QuantGemm:
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [N, K] of `dtype` (float32 or bfloat16; others through float32)."""
+        if weight.format == "int8_panels":  # no kernel: a load-time format, re-laid out by torch
+            return weight.dequantize().to(dtype)
         n, k = weight.shape
         direct = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
         out = torch.empty(n, k, dtype=direct)
