@@ -214,11 +214,12 @@ class EngineArgs:
                            help="how the Linear layers' weights are held on CPU: none = float in --dtype (a GGUF "
                                 "file's blocks dequantized at load); gguf = a .gguf file's Q8_0/Q4_0/Q4_1 weights "
                                 "kept in their blocks and run by native kernels that dequantize in registers; "
-                                "auto = with a .gguf file on CPU with native kernels, both: the blocks for "
-                                "decode-sized batches (read at their 4.5-8.5 bits a weight), the dequantized "
-                                "weights for larger ones; else none; "
+                                "auto = with a .gguf file on CPU with native kernels, the blocks for "
+                                "decode-sized batches (read at their 4.5-8.5 bits a weight) and for larger ones "
+                                "the dequantized weights or, in bfloat16 on AVX512-VNNI CPUs without AMX, int8 "
+                                "copies run with int8 activations (W8A8); else none; "
                                 "int8 = every weight quantized to int8 per output channel at load, from any "
-                                "checkpoint (default: %(default)s)")
+                                "checkpoint (W8A8 past decode-sized batches on those CPUs) (default: %(default)s)")
         group.add_argument("--seed", type=int, default=defaults.seed,
                            help="seed of the global sampling generator (default: %(default)s)")
         group.add_argument("--speculative-config", default=None, metavar="JSON",
