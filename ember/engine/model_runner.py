@@ -49,6 +49,7 @@ class StepInputs:
     spans: list[SequenceSpan]  # in flat-batch order: context length, new tokens and block table of each
     logit_rows: list[int]  # the rows whose logits the step needs, in order
     all_rows_in_order: bool  # logit_rows is every row of the batch, in order: no selection needed
+    prompt_rows: bool = False  # some row computes a prompt token (AttentionMetadata.prompt_rows)
 
 
 class ModelRunner:
@@ -172,7 +173,9 @@ class ModelRunner:
             bitmask = self.mask_thread.submit(_fill_grammar_masks, empty, grammar_rows, drafted_grammars)
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
-                          len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order
+                          len(rows) == len(input_ids) and not prompt_rows,  # all-decode steps: every row, in order
+                          any(scheduled[i].seq.num_computed_tokens < scheduled[i].seq.num_prompt_tokens
+                              for i in order))
         if self.tp is not None:
             self.tp.broadcast_object(step)
         logits = self.forward_step(step)
@@ -201,6 +204,7 @@ class ModelRunner:
         """The forward over the step's tokens; the logits of its logit_rows in the model dtype (the sampler
         upcasts itself where it needs more than each row's argmax), None when it needs none."""
         meta = build_attention_metadata(step.spans, self.block_size, self.dtype, self.device, self.native)
+        meta.prompt_rows = step.prompt_rows
         hidden = self.model(
             torch.tensor(step.input_ids, device=self.device),
             torch.from_numpy(step.positions).to(self.device),

@@ -60,6 +60,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     native: NativeKernels | None = None  # runs the groups that have context_lens
+    # Some row computes a prompt token (the model runner sets it): a prompt's last token alone is a
+    # single-token span like a decode, and models may run prompt rows apart (LlamaForCausalLM's stack tables).
+    prompt_rows: bool = False
 
 
 def build_attention_metadata(

@@ -113,18 +113,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class _StackTable(NamedTuple):
     """The model's shape and the decoder stack's per-layer pointer tables ([num_layers, 9] each), in the order a
-    step's rows pick them: (most rows, table, quantized) with `quantized` tables holding quantized weights'
-    descriptors (decoder_stack_quant.c) and the others float weights packed for the native GEMM
+    step picks them: (most rows, decodes only, table, quantized) with `quantized` tables holding quantized
+    weights' descriptors (decoder_stack_quant.c) and the others float weights packed for the native GEMM
     (decoder_stack.c). `descriptors` keeps the quantized tables' descriptors alive."""
 
     shape: DecoderStackShape
-    choices: tuple[tuple[int, torch.Tensor, bool], ...]
+    choices: tuple[tuple[int, bool, torch.Tensor, bool], ...]
     descriptors: tuple[LinearDescriptors, ...]
 
-    def pick(self, rows: int) -> tuple[torch.Tensor, bool] | None:
-        """(table, quantized) for a step of `rows` rows; None: op by op."""
-        for most_rows, table, quantized in self.choices:
-            if rows <= most_rows:
+    def pick(self, rows: int, prompt_rows: bool) -> tuple[torch.Tensor, bool] | None:
+        """(table, quantized) for a step of `rows` rows, `prompt_rows` if one computes a prompt token; None: op
+        by op."""
+        for most_rows, decodes_only, table, quantized in self.choices:
+            if rows <= most_rows and not (decodes_only and prompt_rows):
                 return table, quantized
         return None
 
@@ -208,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 return None
         stack = self._decoder_stack_layers(kv_caches)
-        picked = None if stack is None else stack.pick(hidden.shape[0])
+        picked = None if stack is None else stack.pick(hidden.shape[0], attn_metadata.prompt_rows)
         if picked is None:
             return None
         layers, quantized = picked
@@ -225,18 +226,23 @@ class LlamaForCausalLM(nn.Module):
             linears = [p for layer in projections for p in layer]
             # Decode-sized steps on the quantized blocks (their GEMV's rows), then larger ones on int8 copies
             # (--quantization auto where batches run W8A8), on the float weights, or on the blocks' panels.
+            # Where another table follows the GEMV's (auto), steps with prompt rows skip the GEMV: the batch
+            # kernels compute each row alike whatever the step's size, so the tail of a prompt served from the
+            # prefix cache gets the values its first run computed, and a repeated greedy request its answer.
             choices = []
             blocks = batch = None
             if all(p.quantized is not None and p.quant_gemm is not None for p in linears):
                 blocks = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
-                choices.append((blocks.gemv_rows, blocks))
+                choices.append((blocks.gemv_rows, False, blocks))
             if all(p.batch_quantized is not None for p in linears):
                 batch = linears[0].quant_gemm.descriptors([p.batch_quantized for p in linears], self.native.dtype)
-                choices.append((batch.max_rows, batch))
+                choices.append((batch.max_rows, False, batch))
             if all(p.gemm_weight is not None for p in linears):
-                choices.append((ANY_ROWS, [p.gemm_weight.data_ptr() for p in linears]))
+                choices.append((ANY_ROWS, False, [p.gemm_weight.data_ptr() for p in linears]))
             if blocks is not None:
-                choices.append((blocks.max_rows, blocks))
+                if len(choices) > 1:
+                    choices[0] = (blocks.gemv_rows, True, blocks)
+                choices.append((blocks.max_rows, False, blocks))
             stack = None
             if choices:
                 config = self.config
@@ -244,10 +250,10 @@ class LlamaForCausalLM(nn.Module):
                                           config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
                                           config.rms_norm_eps)
                 tables = []
-                for most_rows, weights in choices:
+                for most_rows, decodes_only, weights in choices:
                     quantized = isinstance(weights, LinearDescriptors)
                     addresses = [weights.address(i) for i in range(len(linears))] if quantized else weights
-                    tables.append((most_rows, self._stack_table(addresses, kv_caches), quantized))
+                    tables.append((most_rows, decodes_only, self._stack_table(addresses, kv_caches), quantized))
                 stack = _StackTable(shape, tuple(tables), tuple(d for d in (blocks, batch) if d is not None))
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]

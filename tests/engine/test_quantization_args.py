@@ -35,7 +35,8 @@ def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser().parse_args(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--quantization {auto,none,gguf,int8}" in help_text and "dequantize in registers" in help_text
-    assert "auto = with a .gguf file on CPU with native kernels, both" in help_text and "(default: auto)" in help_text
+    assert "auto = with a .gguf file on CPU with native kernels, the blocks for decode-sized batches" in help_text
+    assert "int8 copies run with int8 activations (W8A8)" in help_text and "(default: auto)" in help_text
 
 
 @pytest.mark.parametrize(

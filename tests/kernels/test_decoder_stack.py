@@ -203,3 +203,21 @@ def test_auto_quantization_runs_the_blocks_for_decodes_and_another_stack_for_the
                                      f"rows, else the int8 copies)"
     assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else int8 copies of the weights with int8 "
                                   f"activations per 64 (w8a8_vnni))")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tail", [1, 3])
+def test_auto_quantization_answers_a_repeated_prompt_alike_from_the_prefix_cache(
+    smollm2_gguf_path: Path, tail: int
+) -> None:
+    """--quantization auto: a prompt of 2 blocks and `tail` tokens, asked twice. The second time only its tail is
+    computed (a step of 1 or 3 rows, within the blocks' GEMV; 1 row looks like a decode to attention), yet steps
+    that compute prompt tokens run the batch table (int8 copies or float weights) whatever their size: the same
+    tokens and logprobs, bit for bit, as the first time."""
+    skip_without_stack("bfloat16", "native")
+    llm = LLM(str(smollm2_gguf_path), num_threads=2, enable_prefix_caching=True)
+    prompt = [100 + (11 * j) % 900 for j in range(2 * 16 + tail)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    first, second = (llm.generate([prompt], params)[0] for _ in range(2))
+    assert second.num_cached_tokens == 32
+    assert_same_outputs([first.outputs[0]], [second.outputs[0]])

@@ -230,10 +230,6 @@ def test_auto_streams_content_then_calls_as_the_sdk_accumulates_them(smollm2_ser
 
     async def run():
         async with _client(smollm2_server) as client:
-            # Once before, so that both compared requests take their prompt from the prefix cache and run their
-            # steps in the same shapes (with --quantization auto, a step of up to 4 rows reads the Q4_1 blocks
-            # with int8 activations, where a longer one runs the dequantized weights).
-            await client.chat.completions.create(**request)
             whole = await client.chat.completions.create(**request)
             return whole.choices[0], *await _stream_with_the_sdk(client, request)
 
