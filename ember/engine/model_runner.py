@@ -137,10 +137,12 @@ class ModelRunner:
         prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt_logprobs)
         prompt_targets: list[int] = []
         prompt_counts: list[tuple[int, int]] = []  # (scheduled index, rows) per chunk that scores its prompt
+        computes_prompt = False  # some row computes a prompt token
         for i in order:
             item = scheduled[i]
             seq = item.seq
             start, count = seq.num_computed_tokens, item.num_new_tokens
+            computes_prompt = computes_prompt or start < seq.num_prompt_tokens
             draft = item.draft_token_ids
             first_row = len(input_ids)
             input_ids += seq.token_ids[start : start + count - len(draft)]
@@ -174,8 +176,7 @@ class ModelRunner:
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
                           len(rows) == len(input_ids) and not prompt_rows,  # all-decode steps: every row, in order
-                          any(scheduled[i].seq.num_computed_tokens < scheduled[i].seq.num_prompt_tokens
-                              for i in order))
+                          computes_prompt)
         if self.tp is not None:
             self.tp.broadcast_object(step)
         logits = self.forward_step(step)

@@ -247,8 +247,8 @@ int quant_panel_gemm_w8a8(void) {
 }
 
 // out = x @ W^T + bias from inside a parallel region (decoder_stack_quant.c's GEMM): the GEMV for as many
-// rows as w's activation scratch holds, panels past them (INT8_PANELS: panels for every row count). Bit-identical to QuantGemm.linear, which draws the
-// same line.
+// rows as w's activation scratch holds, panels past them (INT8_PANELS: panels for every row count).
+// Bit-identical to QuantGemm.linear, which draws the same line.
 static void quant_linear_share(const quant_linear *w, const uint16_t *x, int64_t x_stride, const uint16_t *bias,
                                uint16_t *out, int rows, int64_t n, int64_t k) {
     if (rows <= w->scratch_rows && w->format != INT8_PANELS)
