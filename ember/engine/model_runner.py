@@ -123,7 +123,7 @@ class ModelRunner:
         """One batched forward over every scheduled token, then sampling for the chunks that end their
         sequence, and the scores of prompt tokens for sequences that ask for prompt logprobs."""
         scheduled = out.scheduled
-        # Single-token (decode) rows first, by context length, so each attention group pads its sequences'
+        # Decode rows (one token past the prompt) first, by context length, so each attention group pads its sequences'
         # K/V to similar lengths; prefill chunks after them in the scheduler's order.
         order = sorted(range(len(scheduled)), key=lambda i: _row_order(scheduled[i]))
         input_ids: list[int] = []
@@ -142,13 +142,14 @@ class ModelRunner:
             item = scheduled[i]
             seq = item.seq
             start, count = seq.num_computed_tokens, item.num_new_tokens
-            computes_prompt = computes_prompt or start < seq.num_prompt_tokens
+            prompt = start < seq.num_prompt_tokens
+            computes_prompt = computes_prompt or prompt
             draft = item.draft_token_ids
             first_row = len(input_ids)
             input_ids += seq.token_ids[start : start + count - len(draft)]
             input_ids += draft
             positions.append(np.arange(start, start + count))
-            spans.append(SequenceSpan(start, count, seq.block_table))
+            spans.append(SequenceSpan(start, count, seq.block_table, prompt))
             if item.sample:
                 if seq.grammar is not None:
                     if draft:
@@ -256,6 +257,6 @@ class ModelRunnerOutput:
 
 
 def _row_order(item: ScheduledSeq) -> tuple[int, int]:
-    if item.num_new_tokens == 1:
+    if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
         return 0, item.seq.num_computed_tokens
     return 1, 0

@@ -38,6 +38,13 @@ class SequenceSpan:
     num_computed_tokens: int  # tokens already in the cache (the context before this step's tokens)
     num_new_tokens: int  # tokens computed this step
     block_table: list[int]
+    # The new tokens are prompt tokens: a chunk to attention even when one token (the tail of a prompt served
+    # from the prefix cache), so that it gets the values it gets within a longer chunk.
+    prompt: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and not self.prompt
 
 
 @dataclass
@@ -88,11 +95,11 @@ def build_attention_metadata(
     start = 0
     token_start = 0
     while start < len(spans):
-        is_decode = spans[start].num_new_tokens == 1
+        is_decode = spans[start].is_decode
         in_place = native is not None
         num_blocks = _num_context_blocks(spans[start], block_size)
         end = start + 1
-        while end < len(spans) and (spans[end].num_new_tokens == 1) == is_decode:
+        while end < len(spans) and spans[end].is_decode == is_decode:
             widest = max(num_blocks, _num_context_blocks(spans[end], block_size))
             if (end - start + 1) * widest * block_size > MAX_GROUP_KV_SLOTS and not in_place:
                 break
