@@ -155,14 +155,16 @@ def quant(kernels: QuantGemm, rows: int, format: str, panels: bool) -> None:
         runs = {**({} if rows > GEMV_MAX_ROWS else runs), f"panels on {kernels.panel_gemm_name}": kernels.panel_gemm,
                 "dequantize + F.linear": lambda x, w: F.linear(x, kernels.dequantize(w, torch.bfloat16))}
     for name, run in runs.items():
-        seconds = best_time(lambda run=run: [run(inputs[k], w) for w, (_, k) in zip(weights, shapes, strict=True)])
+        seconds = best_time(lambda run=run: run_all([lambda w=w, k=k: run(inputs[k], w)
+                                                     for w, (_, k) in zip(weights, shapes, strict=True)]))
         print(f"quantized GEMM (native_quant_{kernels.level}, {name}), {format}, {rows} rows, cold weights of 30 "
               f"layers ({weight_bytes / 1e6:.1f} MB): {seconds * 1e3:.2f} ms for {len(shapes)} calls, "
               f"{weight_bytes / seconds / 1e9:.1f} GB/s of weights")
     if panels:  # the same weights dequantized to bfloat16, on the native GEMM the panels run
         native = NativeKernels(HEAD_DIM, QUERIES_PER_KV, kernels.level)
         packed = [native.pack_gemm_weight(kernels.dequantize(w, torch.bfloat16)) for w in weights]
-        seconds = best_time(lambda: [native.gemm(inputs[k], p, None) for p, (_, k) in zip(packed, shapes, strict=True)])
+        seconds = best_time(lambda: run_all([lambda p=p, k=k: native.gemm(inputs[k], p, None)
+                                             for p, (_, k) in zip(packed, shapes, strict=True)]))
         print(f"GEMM torch.bfloat16 (native {native.gemm_name}) on the same weights dequantized, {rows} rows: "
               f"{seconds * 1e3:.2f} ms for {len(shapes)} calls")
 
