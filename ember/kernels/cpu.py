@@ -5,7 +5,7 @@ The levels, from least to most capable (each includes the ones before it):
 - "avx2": AVX2 and FMA (Haswell to Coffee Lake desktops, AMD Zen 1-3).
 - "avx512": AVX-512 F, BW and VL (Skylake-SP to Ice Lake servers).
 - "avx512_bf16": AVX512-BF16 as well (Cooper Lake, AMD Zen 4/5).
-- "amx": AMX tiles with bfloat16 (Sapphire/Emerald/Granite Rapids).
+- "amx": AMX tiles with bfloat16 and int8 (Sapphire/Emerald/Granite Rapids).
 
 Read from /proc/cpuinfo's flags rather than torch, whose bfloat16 check only looks for AVX-512; the functions
 take the flags as an argument so that every family can be tested on any machine. Imports no torch: the CLI
@@ -22,7 +22,7 @@ _LEVEL_FLAGS = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx512f", "avx512bw", "avx512vl"},
     "avx512_bf16": {"avx512_bf16"},
-    "amx": {"amx_bf16", "amx_tile"},
+    "amx": {"amx_bf16", "amx_int8", "amx_tile"},
 }
 # The compiler flags of each level below the CPU's own (that one is built with -march=native): the
 # x86-64 micro-architecture level the ISA needs, plus the extensions the kernels use, tuned for this CPU.
@@ -30,7 +30,7 @@ _LEVEL_COMPILE_FLAGS = {
     "avx2": ("-march=x86-64-v3",),
     "avx512": ("-march=x86-64-v4",),
     "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
-    "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+    "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 
 

@@ -27,6 +27,9 @@ _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
 PANEL_GEMV_MAX_ROWS = 4
+# The most rows for which AMX's int8 tiles (w8a8_panel_gemm.c: a tile store and a float32 rescale per group of
+# 64) beat the bfloat16 tiles; with VNNI int8 activations are faster at every row count (docs/benchmarks.md).
+AMX_W8A8_MAX_ROWS = 64
 
 
 class QuantGemm:
@@ -41,8 +44,12 @@ class QuantGemm:
         self.panel_gemm_name = (
             ("amx" if level_at_least(level, "amx") else "avx512_bf16") if library.quant_panel_gemm_supported() else None
         )
-        # int8 weights past the GEMV run with int8 activations per row (w8a8_panel_gemm.c) rather than on bfloat16 panels.
-        self.panel_w8a8 = bool(library.quant_panel_gemm_w8a8())
+        # Where int8 weights past the GEMV run with int8 activations (w8a8_panel_gemm.c) rather than on bfloat16
+        # panels: the tiles' name, or None.
+        self.w8a8_name = {0: None, 1: "w8a8_vnni", 2: "w8a8_amx"}[library.quant_panel_gemm_w8a8()]
+        self.panel_w8a8 = self.w8a8_name is not None
+        # The most rows int8_panels weights should take (they take any number).
+        self.w8a8_max_rows = AMX_W8A8_MAX_ROWS if self.w8a8_name == "w8a8_amx" else ANY_ROWS
         # (format, x, [x_bf16,] x_stride, rows, qs, scales, mins, bias, out, n, k, threads): the panels take bfloat16 x only.
         after_x = (_int64, _int64, *(_pointer,) * 5, _int64, _int64, _int)
         self._panel_gemm = bind(library, "quant_panel_gemm", _int, _pointer, *after_x)
@@ -127,12 +134,18 @@ class QuantGemm:
                  torch.get_num_threads())
         return out
 
-    def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype) -> LinearDescriptors:
+    def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype, gemv: bool = True) -> LinearDescriptors:
         """quant_gemm.c's quant_linear for each of `weights` with activations of `dtype`, all sharing one
         activation scratch for the GEMV's rows (for decoder_stack_quant*.c: its Linears run one after another;
-        in bfloat16 with panels, it takes any number of rows)."""
-        gemv_rows = self.gemv_max_rows(dtype)
-        max_rows = ANY_ROWS if self.panel_gemm_name and dtype == torch.bfloat16 else gemv_rows
+        in bfloat16 with panels, it takes any number of rows). With gemv=False (bfloat16 with panels only),
+        every row count runs on the panels, so that each row's values do not depend on the step's size."""
+        panels = self.panel_gemm_name is not None and dtype == torch.bfloat16
+        if not gemv and not panels:
+            raise ValueError(f"quantized weights without the GEMV need bfloat16 panels (ISA level {self.level}, {dtype})")
+        gemv_rows = self.gemv_max_rows(dtype) if gemv else 0
+        max_rows = ANY_ROWS if panels else gemv_rows
+        if weights[0].format == "int8_panels":
+            max_rows = min(max_rows, self.w8a8_max_rows)
         max_k = max(weight.shape[1] for weight in weights)
         scratch = torch.empty(self._scratch_bytes(gemv_rows, max_k), dtype=torch.uint8)
         table = torch.empty(len(weights), _DESCRIPTOR_FIELDS, dtype=torch.int64)

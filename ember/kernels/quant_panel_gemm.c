@@ -67,7 +67,7 @@ static inline void transpose_16x16_epi32(__m512i *v) {
     }
 }
 
-#if defined(PANEL_GEMM_BF16) && defined(__AVX512VNNI__)
+#if (defined(PANEL_GEMM_AMX) && defined(__AMX_INT8__)) || (defined(PANEL_GEMM_BF16) && defined(__AVX512VNNI__))
 #define PANEL_W8A8 1
 #include "w8a8_panel_gemm.c"
 #endif
@@ -236,10 +236,12 @@ static void quant_panel_gemm_share(const quant_linear *w, const uint16_t *x, int
 #endif
 }
 
-// 1 where int8 weights (INT8) run with int8 activations past the GEMV (w8a8_panel_gemm.c), 0 where on
-// bfloat16 panels like the other formats.
+// Where int8 weights (INT8) run with int8 activations past the GEMV (w8a8_panel_gemm.c): 2 on AMX tiles, 1 on
+// AVX512-VNNI; 0 where on bfloat16 panels like the other formats.
 int quant_panel_gemm_w8a8(void) {
-#if defined(PANEL_W8A8)
+#if defined(PANEL_W8A8) && defined(PANEL_GEMM_AMX)
+    return 2;
+#elif defined(PANEL_W8A8)
     return 1;
 #else
     return 0;

@@ -1,25 +1,32 @@
 // int8 weights (one scale per output row, quant_gemm.c's INT8) times batches of bfloat16 rows with int8
-// activations (W8A8): quant_panel_gemm.c's path for that format on CPUs with AVX512-VNNI but no AMX (Zen 4/5,
-// Cooper Lake), where vpdpbusd does 64 multiply-adds per instruction and vdpbf16ps 32, at the same rate.
+// activations (W8A8): quant_panel_gemm.c's path for that format on CPUs with AVX512-VNNI (Zen 4/5, Cooper Lake),
+// where vpdpbusd does 64 multiply-adds per instruction and vdpbf16ps 32, at the same rate, and with AMX, where a
+// tile's int8 dot products (tdpbsud) do twice the multiply-adds of its bfloat16 ones and read half the bytes.
 //
 // Activations are quantized per row and group of W8A8_GROUP values along k: s = max |x| / 127,
 // q = round(x * (1 / s)) to nearest even. A scale per whole row (vLLM's and SGLang's per-token W8A8) costs
 // SmolLM2 7% of perplexity, nearly all of it in the MLP's down projection, whose input has outlier values;
-// per group of 64 it is within noise of weight-only int8 (docs/benchmarks.md, issue 14).
+// per group of 64 it is within noise of weight-only int8 (docs/benchmarks.md, issue 14). A group is one AMX
+// tile's depth (16 rows of 4 bytes).
 //
-// vpdpbusd multiplies unsigned bytes by signed ones, so the weights are stored as w + 128 (unsigned) and the
+// Both multiply unsigned bytes by signed ones, so the weights are stored as w + 128 (unsigned) and the
 // activations stay signed: dot(w + 128, q) = dot(w, q) + 128 sum(q), and the second term, a number per row and
-// group, is taken off once per row. Each weight panel of 32 outputs is re-laid out into the thread's cache as
-// [2][k / 4][16][4] bytes (one 64-byte line: four consecutive k of 16 outputs, a 16 x 16 transpose of 4-byte
-// groups). A group's integer dot products are exact in int32 and in float32 (|sum| <= 64 * 255 * 127 < 2^24):
+// group, is taken off once per row. Each weight panel of 32 outputs is laid out as [2][k / 4][16][4] bytes (one
+// 64-byte line: four consecutive k of 16 outputs, a 16 x 16 transpose of 4-byte groups; 16 lines are an AMX B
+// tile). A group's integer dot products are exact in int32 and in float32 (|sum| <= 64 * 255 * 127 < 2^24):
 //   y = scale_n * (sum over groups of s_g * dot_g(w + 128, q)  -  sum over groups of s_g * 128 sum_g(q)) + bias,
 // each product and sum rounded in float32 in that order (no fused multiply-adds: tests/kernels reproduces it
-// bit for bit), then rounded once to bfloat16.
+// bit for bit, and both instruction sets give the same outputs), then rounded once to bfloat16.
 //
-// Included by quant_panel_gemm.c (needs transpose_16x16_epi32, PANEL and bf16_simd.h).
+// Included by quant_panel_gemm.c (needs transpose_16x16_epi32, PANEL, bf16_simd.h, and with AMX amx_gemm.c's
+// configure_tiles).
 
 #define W8A8_GROUP 64
+#if defined(PANEL_GEMM_AMX)
+#define W8A8_TILE_ROWS GROUP_ROWS  // two A tiles
+#else
 #define W8A8_TILE_ROWS 6  // 6 x 2 int32 and 6 x 2 float32 accumulators, the two weight vectors: 28 zmm registers
+#endif
 
 // Does quant_panel_gemm.c run int8 weights of width k here? (Whole groups only: others take bfloat16 panels.)
 static inline int w8a8_takes(int64_t k) { return k % W8A8_GROUP == 0; }
@@ -85,6 +92,69 @@ static void w8a8_pack_panel(const void *values, int64_t first, int64_t k, int pr
         }
 }
 
+#if defined(PANEL_GEMM_AMX)
+// Rows [0, rows) of a (rows <= 32, the tiles configured for them) times one packed panel into out's 32
+// columns (row stride n). Per group of 64 k: one tdpbsud per 16 rows x 16 outputs, its int32 tile stored and
+// scaled into float32 sums in L1 (the VNNI path's arithmetic, in its order). `next` (or NULL): the next panel
+// in memory (INT8_PANELS), requested into L2 a line for each line read.
+static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, const float *col_scales,
+                      const uint16_t *bias, uint16_t *out, int64_t n, int rows) {
+    const int64_t groups = k / W8A8_GROUP, half_bytes = k / 4 * 64;
+    const int second = rows - TILE_ROWS;  // rows in the second A tile (if positive)
+    // [row tile][16 outputs of the panel's half][row][16]: tile (t, h) is tdpbsud's destination 4 + 2t + h.
+    int32_t dots[2][2][TILE_FLOATS] __attribute__((aligned(64)));
+    float sums[2][2][TILE_FLOATS] __attribute__((aligned(64)));
+    memset(sums, 0, sizeof(sums));
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *w0 = panel + g * 1024, *w1 = w0 + half_bytes;
+        if (next)
+            for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch((const char *)(next + g * 1024 + line), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + half_bytes + g * 1024 + line), _MM_HINT_T1);
+            }
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(0, a.q + g * W8A8_GROUP, k);
+        _tile_loadd(2, w0, 64);
+        _tile_loadd(3, w1, 64);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbsud(5, 0, 3);
+        if (second > 0) {
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_loadd(1, a.q + TILE_ROWS * k + g * W8A8_GROUP, k);
+            _tile_dpbsud(6, 1, 2);
+            _tile_dpbsud(7, 1, 3);
+        }
+        _tile_stored(4, dots[0][0], 64);
+        _tile_stored(5, dots[0][1], 64);
+        if (second > 0) {
+            _tile_stored(6, dots[1][0], 64);
+            _tile_stored(7, dots[1][1], 64);
+        }
+        for (int m = 0; m < rows; m++) {
+            const int t = m / TILE_ROWS, row = m % TILE_ROWS;
+            const __m512 scale = _mm512_set1_ps(a.scales[m * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[t][h] + 16 * row));
+                float *sum = sums[t][h] + 16 * row;
+                _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_mul_ps(dot, scale)));
+            }
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(col_scales), s1 = _mm512_loadu_ps(col_scales + 16);
+    const __m512 b0 = bias ? load_bf16(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? load_bf16(bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++) {
+        const int t = m / TILE_ROWS, row = m % TILE_ROWS;
+        const __m512 offset = _mm512_set1_ps(a.offsets[m]);
+        const __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(sums[t][0] + 16 * row), offset), s0), b0);
+        const __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(sums[t][1] + 16 * row), offset), s1), b1);
+        store_bf16(out + m * n, round_bf16(y0));
+        store_bf16(out + m * n + 16, round_bf16(y1));
+    }
+}
+#else
 // acc + the dot products of u (unsigned bytes) and the 4 signed bytes at q broadcast to every lane. In
 // assembly: GCC 12 copies the intrinsic's accumulator through other registers and the stack in the tile's
 // loop (2.5x slower there), and the broadcast rides in the instruction's memory operand.
@@ -150,6 +220,8 @@ static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint
 #undef W8A8_TILE
 }
 
+#endif
+
 // out [rows, n] = x @ W^T + bias for int8 W (qs [n, k], scales [n] float32; w8a8_takes(k)), or with `packed`
 // the same weight in the panel layout (INT8_PANELS): this thread's contiguous run of panels. Every thread
 // quantizes all the rows itself (rows x k operations against the GEMM's rows x k x n / threads), so that no
@@ -171,6 +243,9 @@ static void w8a8_panel_gemm_share(const void *qs, int packed, const float *scale
                            row_floats + (size_t)rows * (size_t)(k / W8A8_GROUP)};
     w8a8_quantize_rows(x, x_stride, rows, k, a);
     uint8_t *scratch = packed ? NULL : aligned_alloc(64, (size_t)(PANEL * k));
+#if defined(PANEL_GEMM_AMX)
+    int configured = 0;  // the rows the tiles are configured for
+#endif
     for (int64_t p = begin; p < end; p++) {
         const uint8_t *panel = packed ? (const uint8_t *)qs + p * PANEL * k : scratch;
         if (!packed) w8a8_pack_panel(qs, p * PANEL, k, p + 1 < end, scratch);
@@ -178,10 +253,16 @@ static void w8a8_panel_gemm_share(const void *qs, int packed, const float *scale
             const w8a8_rows_t tile = {a.q + (int64_t)first * k, a.scales + (int64_t)first * (k / W8A8_GROUP),
                                       a.offsets + first};
             const uint8_t *next = packed && first == 0 && p + 1 < end ? panel + PANEL * k : NULL;
+            const int tile_rows = rows - first < W8A8_TILE_ROWS ? rows - first : W8A8_TILE_ROWS;
+#if defined(PANEL_GEMM_AMX)
+            if (tile_rows != configured) configure_tiles(configured = tile_rows);
+#endif
             w8a8_rows(tile, k, panel, next, scales + p * PANEL, bias ? bias + p * PANEL : NULL,
-                      out + (int64_t)first * n + p * PANEL, n,
-                      rows - first < W8A8_TILE_ROWS ? rows - first : W8A8_TILE_ROWS);
+                      out + (int64_t)first * n + p * PANEL, n, tile_rows);
         }
     }
+#if defined(PANEL_GEMM_AMX)
+    _tile_release();
+#endif
     free(scratch);
 }

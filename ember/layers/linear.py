@@ -50,13 +50,14 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With two (--quantization auto), the blocks take the GEMV's batches and the int8 or float weight the rest.
+        # With two (--quantization auto), the blocks take the GEMV's batches and the int8 (up to its most rows,
+        # then the blocks' panels again) or float weight the rest.
         if self.quantized is not None:
             if x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype):
                 return self.quant_gemm.linear(x, self.quantized, self.bias)
-            if self.batch_quantized is not None:
+            if self.batch_quantized is not None and x.shape[0] <= self.quant_gemm.w8a8_max_rows:
                 return self.quant_gemm.linear(x, self.batch_quantized, self.bias)
-            if self.weight is None:
+            if self.weight is None:  # the panels
                 return self.quant_gemm.linear(x, self.quantized, self.bias)
         if self.gemm_weight is not None and 0 < x.shape[0] <= self.native.gemm_max_rows:
             return self.native.gemm(x, self.gemm_weight, self.bias)
@@ -150,9 +151,11 @@ def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dt
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
     floats = sum(m.quantized is None for m in linears)
-    w8a8 = f"int8 activations per {W8A8_GROUP} (w8a8_vnni)"
+    w8a8 = f"int8 activations per {W8A8_GROUP} ({quant_gemm.w8a8_name})"
     if any(m.batch_quantized is not None for m in linears):
         larger = f"int8 copies of the weights with {w8a8}"
+        if quant_gemm.w8a8_max_rows < ANY_ROWS:
+            larger += f" up to {quant_gemm.w8a8_max_rows} rows, then bfloat16 panels on {quant_gemm.panel_gemm_name}"
     elif any(m.quantized is not None and m.weight is not None for m in linears):
         larger = f"the dequantized weights on {float_gemm}"
     elif quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:
@@ -180,6 +183,10 @@ def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype, 
         return float_stack if all(m.weight is not None for m in linears) else "off"
     quant_gemm = linears[0].quant_gemm
     if all(m.batch_quantized is not None for m in linears):
+        if quant_gemm.w8a8_max_rows < ANY_ROWS:
+            return (f"{stack_name}_quant (every step: decode steps on the blocks up to "
+                    f"{quant_gemm.gemv_max_rows(dtype)} rows, else the int8 copies up to {quant_gemm.w8a8_max_rows}; "
+                    f"steps with prompt tokens and larger ones on the blocks' panels)")
         return (f"{stack_name}_quant (every step: the blocks up to {quant_gemm.gemv_max_rows(dtype)} rows, else the "
                 f"int8 copies)")
     if all(m.weight is not None for m in linears):

@@ -225,24 +225,29 @@ class LlamaForCausalLM(nn.Module):
                             layer.mlp.down_proj) for layer in self.layers]
             linears = [p for layer in projections for p in layer]
             # Decode-sized steps on the quantized blocks (their GEMV's rows), then larger ones on int8 copies
-            # (--quantization auto where batches run W8A8), on the float weights, or on the blocks' panels.
-            # Where another table follows the GEMV's (auto), steps with prompt rows skip the GEMV: the batch
-            # kernels compute each row alike whatever the step's size, so the tail of a prompt served from the
-            # prefix cache gets the values its first run computed, and a repeated greedy request its answer.
-            choices = []
-            blocks = batch = None
+            # (--quantization auto where batches run W8A8; with AMX up to QuantGemm.w8a8_max_rows), on the float
+            # weights, or on the blocks' panels. Where several tables are kept, steps with prompt rows take the
+            # last, which takes any number of rows and computes each row alike whatever the step's size (no
+            # GEMV), so the tail of a prompt served from the prefix cache gets the values its first run computed,
+            # and a repeated greedy request its answer; decode steps take the first whose rows they fit.
+            candidates: list[tuple[int, LinearDescriptors | list[int]]] = []  # (most rows, weights)
+            blocks = batch = panels = None
             if all(p.quantized is not None and p.quant_gemm is not None for p in linears):
                 blocks = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
-                choices.append((blocks.gemv_rows, False, blocks))
+                candidates.append((blocks.gemv_rows, blocks))
             if all(p.batch_quantized is not None for p in linears):
                 batch = linears[0].quant_gemm.descriptors([p.batch_quantized for p in linears], self.native.dtype)
-                choices.append((batch.max_rows, False, batch))
+                candidates.append((batch.max_rows, batch))
             if all(p.gemm_weight is not None for p in linears):
-                choices.append((ANY_ROWS, False, [p.gemm_weight.data_ptr() for p in linears]))
-            if blocks is not None:
-                if len(choices) > 1:
-                    choices[0] = (blocks.gemv_rows, True, blocks)
-                choices.append((blocks.max_rows, False, blocks))
+                candidates.append((ANY_ROWS, [p.gemm_weight.data_ptr() for p in linears]))
+            if blocks is not None and len(candidates) == 1:  # the blocks alone: the GEMV, then their panels
+                candidates = [(blocks.max_rows, blocks)]
+            elif blocks is not None and candidates[-1][0] < ANY_ROWS and blocks.max_rows == ANY_ROWS:
+                panels = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype,
+                                                           gemv=False)
+                candidates.append((panels.max_rows, panels))
+            choices = [(most_rows, index < len(candidates) - 1, weights)
+                       for index, (most_rows, weights) in enumerate(candidates)]
             stack = None
             if choices:
                 config = self.config
@@ -254,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
                     quantized = isinstance(weights, LinearDescriptors)
                     addresses = [weights.address(i) for i in range(len(linears))] if quantized else weights
                     tables.append((most_rows, decodes_only, self._stack_table(addresses, kv_caches), quantized))
-                stack = _StackTable(shape, tuple(tables), tuple(d for d in (blocks, batch) if d is not None))
+                stack = _StackTable(shape, tuple(tables), tuple(d for d in (blocks, batch, panels) if d is not None))
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]
 

@@ -17,7 +17,7 @@ from ember import LLM, SamplingParams
 from ember.errors import EmberError
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
-from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
+from ember.kernels.quant_gemm import AMX_W8A8_MAX_ROWS, GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 from tests.conftest import build_tiny_model_dir
 
 # head_dim 32 and widths that are whole AMX tiles: the smallest shape the native kernels take.
@@ -121,7 +121,7 @@ def test_quantized_decoder_stack_matches_op_by_op(
     llm = LLM(str(stack_model_dir), kernels=kernels, num_threads=2, quantization="int8")
     assert llm.engine.runner.kernel_paths["decoder_stack"] == f"native_{kernels}_quant (every step)"
     quant_gemm = llm.engine.runner.quant_gemm
-    w8a8 = ", int8 weights with int8 activations per 64 (w8a8_vnni)" if quant_gemm.panel_w8a8 else ""
+    w8a8 = f", int8 weights with int8 activations per 64 ({quant_gemm.w8a8_name})" if quant_gemm.panel_w8a8 else ""
     assert llm.engine.runner.kernel_paths["gemm"] == (
         f"native_quant_{kernels} (int8, {quant_gemm.dot_product}; up to {PANEL_GEMV_MAX_ROWS} rows, else bfloat16 "
         f"panels on {kernels}{w8a8})"
@@ -160,49 +160,55 @@ def test_quantized_decoder_stack_matches_op_by_op_on_smollm2_gguf(smollm2_gguf_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", [level for dtype, level in CASES if dtype == "bfloat16"])
-def test_auto_quantization_runs_the_blocks_for_decodes_and_another_stack_for_the_rest(
+def test_auto_quantization_runs_the_blocks_for_small_decodes_and_other_tables_for_the_rest(
     smollm2_gguf_path: Path, kernels: str
 ) -> None:
-    """--quantization auto (the default) on the shipped GGUF, 4 prompts in 64-row steps (prompt chunks and decode
-    steps of 1 to 4 rows): steps of up to PANEL_GEMV_MAX_ROWS rows run the quantized stack's GEMV on the blocks,
-    larger ones another table:
-    - with AMX, the float stack on the weights dequantized at load, which are the values the panels of
-      --quantization gguf dequantize, on the same tiles: so auto and gguf agree bit for bit;
-    - at avx512_bf16 (VNNI, no AMX), the quantized stack on int8 copies of the weights with int8 activations
-      (W8A8): bit for bit the op-by-op path on the same weights, and the same first tokens as gguf."""
+    """--quantization auto (the default) on the shipped GGUF in 64-row steps, 4 prompts then 6 (decode steps of 4
+    and of 6 rows): decode steps of up to PANEL_GEMV_MAX_ROWS rows run the quantized stack's GEMV on the blocks,
+    larger ones the int8 copies with int8 activations (W8A8), and steps with prompt tokens:
+    - at avx512_bf16 (VNNI), the int8 copies too: bit for bit the op-by-op path on the same weights;
+    - with AMX, whose int8 tiles lose to its bfloat16 ones past AMX_W8A8_MAX_ROWS, the blocks' bfloat16 panels,
+      as --quantization gguf's prompt steps (op by op, Linears pick by rows alone).
+    Either way the first tokens are gguf's (with AMX, bit for bit)."""
     skip_without_stack("bfloat16", kernels)
-    prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * i)] for i in range(4)]
-    gguf, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, True, prompts, 64, "gguf")
-    llm = LLM(str(smollm2_gguf_path), kernels=kernels, num_threads=2, enable_prefix_caching=False,
-              max_num_seqs=len(prompts), max_num_batched_tokens=64)
-    stack = llm.engine.runner.model.native.decoder_stack
-    tables = []
-    llm.engine.runner.model.native.decoder_stack = lambda *args: tables.append((args[0].data_ptr(), args[-1])) or \
-        stack(*args)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    auto = [result.outputs[0] for result in llm.generate(prompts, params)]
-    assert len(set(tables)) == 2  # the blocks' table and the batches' table both ran
-    paths = llm.engine.runner.kernel_paths
-    if not llm.engine.runner.quant_gemm.panel_w8a8:
-        assert_same_outputs(gguf, auto)
-        assert {quantized for _, quantized in tables} == {True, False}
-        assert paths["decoder_stack"] == f"native_{kernels}_quant (steps of up to {PANEL_GEMV_MAX_ROWS} rows), " \
-                                         f"else native_{kernels}"
-        assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else the dequantized weights on "
-                                      f"native_{kernels})")
-        return
-    op_by_op, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, False, prompts, 64, "auto")
-    assert_same_outputs(op_by_op, auto)
-    # The prompts' first tokens come from the prompt steps, where the two differ most (W8A8 against bfloat16
-    # panels on the blocks); later tokens of these random prompts can go another way at near ties.
-    for g, a in zip(gguf, auto, strict=True):
-        assert g.token_ids[0] == a.token_ids[0]
-        assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(g.logprobs[0][g.token_ids[0]].logprob, abs=0.3)
-    assert {quantized for _, quantized in tables} == {True}
-    assert paths["decoder_stack"] == f"native_{kernels}_quant (every step: the blocks up to {PANEL_GEMV_MAX_ROWS} " \
-                                     f"rows, else the int8 copies)"
-    assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else int8 copies of the weights with int8 "
-                                  f"activations per 64 (w8a8_vnni))")
+    for num_prompts in (4, 6):
+        prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * i)] for i in range(num_prompts)]
+        gguf, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, True, prompts, 64, "gguf")
+        llm = LLM(str(smollm2_gguf_path), kernels=kernels, num_threads=2, enable_prefix_caching=False,
+                  max_num_seqs=num_prompts, max_num_batched_tokens=64)
+        model = llm.engine.runner.model
+        stack, ran = model.native.decoder_stack, []
+        model.native.decoder_stack = lambda *args, ran=ran, stack=stack: ran.append(args[0].data_ptr()) or stack(*args)
+        auto = [result.outputs[0] for result in llm.generate(prompts, params)]
+        choices = [choice[2].data_ptr() for choice in model._stack_layers[1].choices]
+        quant_gemm, paths = llm.engine.runner.quant_gemm, llm.engine.runner.kernel_paths
+        used = {choices.index(table) for table in ran}
+        # With 4 prompts the first tokens come from prompt steps whose logits rows are few enough for the LM
+        # head's GEMV in both runs; later tokens of these random prompts can go another way at near ties.
+        for g, a in zip(gguf, auto if num_prompts == 4 else [], strict=False):
+            assert g.token_ids[0] == a.token_ids[0]
+            assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(g.logprobs[0][g.token_ids[0]].logprob, abs=0.3)
+            if quant_gemm.w8a8_name == "w8a8_amx":  # the same panels: bit for bit
+                assert a.logprobs[0] == g.logprobs[0]
+        if quant_gemm.w8a8_name == "w8a8_vnni":  # [blocks (decodes), int8 copies]
+            assert used == {0, 1} if num_prompts == 4 else 1 in used
+            op_by_op, _, _ = generate(smollm2_gguf_path, "bfloat16", kernels, False, prompts, 64, "auto")
+            assert_same_outputs(op_by_op, auto)
+            assert paths["decoder_stack"] == (f"native_{kernels}_quant (every step: the blocks up to "
+                                              f"{PANEL_GEMV_MAX_ROWS} rows, else the int8 copies)")
+            assert paths["gemm"].endswith(f"up to {PANEL_GEMV_MAX_ROWS} rows, else int8 copies of the weights with "
+                                          f"int8 activations per 64 (w8a8_vnni))")
+        else:  # [blocks (decodes), int8 copies (decodes), the blocks' panels]
+            assert quant_gemm.w8a8_name == "w8a8_amx"
+            assert used == {0, 2} if num_prompts == 4 else {1, 2} <= used  # 6 rows: the int8 copies
+            assert paths["decoder_stack"] == (
+                f"native_{kernels}_quant (every step: decode steps on the blocks up to {PANEL_GEMV_MAX_ROWS} rows, "
+                f"else the int8 copies up to {AMX_W8A8_MAX_ROWS}; steps with prompt tokens and larger ones on the "
+                f"blocks' panels)")
+            assert paths["gemm"].endswith(
+                f"up to {PANEL_GEMV_MAX_ROWS} rows, else int8 copies of the weights with int8 activations per 64 "
+                f"(w8a8_amx) up to {AMX_W8A8_MAX_ROWS} rows, then bfloat16 panels on amx)")
 
 
 @pytest.mark.slow
@@ -211,9 +217,10 @@ def test_auto_quantization_answers_a_repeated_prompt_alike_from_the_prefix_cache
     smollm2_gguf_path: Path, tail: int
 ) -> None:
     """--quantization auto: a prompt of 2 blocks and `tail` tokens, asked twice. The second time only its tail is
-    computed (a step of 1 or 3 rows, within the blocks' GEMV; 1 row looks like a decode to attention), yet steps
-    that compute prompt tokens run the batch table (int8 copies or float weights) whatever their size: the same
-    tokens and logprobs, bit for bit, as the first time."""
+    computed (a step of 1 or 3 rows, within the blocks' GEMV), yet steps that compute prompt tokens run the table
+    that takes any rows (int8 copies, or with AMX the blocks' panels) whatever their size, and attention takes a
+    lone prompt token as a chunk (with AMX, its tiles score chunks): the same tokens and logprobs, bit for bit, as
+    the first time (before either, they differed here)."""
     skip_without_stack("bfloat16", "native")
     llm = LLM(str(smollm2_gguf_path), num_threads=2, enable_prefix_caching=True)
     prompt = [100 + (11 * j) % 900 for j in range(2 * 16 + tail)]

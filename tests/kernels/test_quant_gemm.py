@@ -142,7 +142,7 @@ def test_panels_equal_the_bfloat16_gemm_on_the_dequantized_weight(level: str, fo
     kernels = QuantGemm(level)
     native = load_native_kernels(level, torch.device("cpu"), torch.bfloat16, (N, K), 32, 1)
     assert kernels.panel_gemm_name == level and native.gemm_name == level
-    assert kernels.panel_w8a8 == (level == "avx512_bf16")
+    assert kernels.w8a8_name == {"amx": "w8a8_amx", "avx512_bf16": "w8a8_vnni"}[level]
     if format == "int8" and kernels.panel_w8a8:
         pytest.skip("int8 weights run W8A8 here: test_w8a8_panels_compute_the_same_math")
     weight, dense = random_weight(format, seed=5)
@@ -176,19 +176,20 @@ def w8a8_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     return (y if bias is None else y + bias.float()).bfloat16()
 
 
-@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16 (and VNNI)")
+@pytest.mark.parametrize("level", PANEL_LEVELS)
 @pytest.mark.parametrize("k", [K, 1536])
-def test_w8a8_panels_compute_the_same_math(k: int) -> None:
-    """At "avx512_bf16", int8 weights of whole groups of 64 run with int8 activations: bit for bit the reference,
-    at row counts with and without a tail of a tile (6 rows), with and without bias, from linear() past the
-    GEMV's rows too; activations with outliers (a heavy tail) stay within 2% of the float product."""
+def test_w8a8_panels_compute_the_same_math(level: str, k: int) -> None:
+    """int8 weights of whole groups of 64 run with int8 activations, on VNNI ("avx512_bf16") or AMX's int8 tiles:
+    bit for bit the reference, at row counts with and without a tail of a tile (6 rows on VNNI, 16 on AMX),
+    with and without bias, from linear() past the GEMV's rows too; activations with outliers (a heavy tail) stay
+    within 2% of the float product."""
     if compiler() is None:
         pytest.skip("no C compiler")
-    kernels = QuantGemm("avx512_bf16")
+    kernels = QuantGemm(level)
     generator = torch.Generator().manual_seed(3)
     weight = QuantizedWeight.int8_per_channel(torch.randn(N, k, generator=generator))
     bias = torch.randn(N, generator=generator).bfloat16()
-    for rows in (PANEL_GEMV_MAX_ROWS + 1, 6, 13, 100):
+    for rows in (PANEL_GEMV_MAX_ROWS + 1, 6, 13, 16, 32, 33, 100):
         x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator).pow(4) * 8).bfloat16()
         for b in (bias, None):
             got = kernels.panel_gemm(x, weight, b)
@@ -198,13 +199,13 @@ def test_w8a8_panels_compute_the_same_math(k: int) -> None:
         assert (kernels.panel_gemm(x, weight, None).float() - exact).abs().max() <= 0.02 * exact.abs().max(), rows
 
 
-@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16 (and VNNI)")
-def test_int8_panels_hold_the_int8_weight_laid_out_for_w8a8() -> None:
+@pytest.mark.parametrize("level", PANEL_LEVELS)
+def test_int8_panels_hold_the_int8_weight_laid_out_for_w8a8(level: str) -> None:
     """The weight re-laid out once at load (--quantization auto's batches) gives the int8 weight's results at
     every row count (the GEMV's included: int8_panels always runs W8A8) and dequantizes to the same values."""
     if compiler() is None:
         pytest.skip("no C compiler")
-    kernels = QuantGemm("avx512_bf16")
+    kernels = QuantGemm(level)
     weight = QuantizedWeight.int8_per_channel(torch.randn(N, K, generator=torch.Generator().manual_seed(4)))
     panels = int8_panels(weight)
     assert panels.shape == weight.shape and torch.equal(panels.dequantize(), weight.dequantize())
@@ -216,14 +217,14 @@ def test_int8_panels_hold_the_int8_weight_laid_out_for_w8a8() -> None:
         kernels.gemm(torch.randn(2, K), panels)
 
 
-@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="needs AVX512-BF16")
-def test_int8_weights_of_partial_groups_take_bfloat16_panels() -> None:
+@pytest.mark.parametrize("level", PANEL_LEVELS)
+def test_int8_weights_of_partial_groups_take_bfloat16_panels(level: str) -> None:
     """A width that is not whole groups of 64 (13 x 32) keeps the bfloat16 panels: the native GEMM's result on
     the dequantized weight."""
     if compiler() is None:
         pytest.skip("no C compiler")
-    kernels = QuantGemm("avx512_bf16")
-    native = load_native_kernels("avx512_bf16", torch.device("cpu"), torch.bfloat16, (N, ODD_K), 32, 1)
+    kernels = QuantGemm(level)
+    native = load_native_kernels(level, torch.device("cpu"), torch.bfloat16, (N, ODD_K), 32, 1)
     weight, _ = random_weight("int8", seed=8, k=ODD_K)
     x = torch.randn(20, ODD_K).bfloat16()
     expected = native.gemm(x, native.pack_gemm_weight(kernels.dequantize(weight, torch.bfloat16)), None)
