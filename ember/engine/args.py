@@ -216,8 +216,9 @@ class EngineArgs:
                                 "kept in their blocks and run by native kernels that dequantize in registers; "
                                 "auto = with a .gguf file on CPU with native kernels, the blocks for "
                                 "decode-sized batches (read at their 4.5-8.5 bits a weight) and for larger ones "
-                                "the dequantized weights or, in bfloat16 on AVX512-VNNI CPUs without AMX, int8 "
-                                "copies run with int8 activations (W8A8); else none; "
+                                "the dequantized weights or, in bfloat16 on CPUs with AVX512-VNNI or AMX, int8 "
+                                "copies run with int8 activations (W8A8; with AMX for decode steps of up to 64 "
+                                "rows, prompts on the blocks); else none; "
                                 "int8 = every weight quantized to int8 per output channel at load, from any "
                                 "checkpoint (W8A8 past decode-sized batches on those CPUs) (default: %(default)s)")
         group.add_argument("--seed", type=int, default=defaults.seed,

@@ -2,9 +2,9 @@
 float32: the quantized model's greedy choice at each position of the dequantized model's greedy continuations
 (teacher-forced top-1 agreement, every matmul on the decode kernel: steps of at most 16 tokens), over a set
 of prompts. gguf keeps the file's own weights, so only the int8 activations differ (as in llama.cpp); int8
-re-quantizes the dequantized Q4_1 weights per channel on top of that. And in bfloat16 at the "avx512_bf16" level,
-where --quantization auto runs batches as W8A8 (int8 copies of the weights, int8 activations per 64), the
-same against the dequantized model in bfloat16."""
+re-quantizes the dequantized Q4_1 weights per channel on top of that. And in bfloat16 where batches run as W8A8
+(int8 copies of the weights, int8 activations per 64: VNNI at "avx512_bf16", int8 tiles at "amx"), the same
+against the dequantized model in bfloat16."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ NEW_TOKENS = 32
 # 2026-12-04 (AMX machine, VNNI kernel): gguf 248/256 = 0.969, int8 247/256 = 0.965; the integer dot
 # products are exact on every ISA level, so the levels agree.
 AGREEMENT_BOUNDS = {"gguf": 0.94, "int8": 0.94}
-# The same for auto's W8A8 batches in bfloat16 against the dequantized model in bfloat16: measured on 2026-12-05
-# (Zen 4): 240/256 = 0.938 (gguf in bfloat16 at the same level, whose batches run bfloat16 panels: 256/256).
+# The same for W8A8 batches in bfloat16 against the dequantized model in bfloat16: measured on 2026-12-05, Zen 4
+# and Sapphire Rapids-class AMX machines: 240/256 = 0.938 at "avx512_bf16", 245/256 = 0.957 at "amx" (gguf in
+# bfloat16 at the same level, whose batches run bfloat16 panels: 256/256).
 W8A8_AGREEMENT_BOUND = 0.92
 
 pytestmark = [
@@ -86,12 +87,15 @@ def test_greedy_agreement_with_the_dequantized_model(
     assert greedy_agreement(llm, reference) >= AGREEMENT_BOUNDS[quantization]
 
 
-@pytest.mark.skipif(not level_at_least(cpu_isa_level(), "avx512_bf16"), reason="W8A8 batches need AVX512-BF16")
-def test_w8a8_batches_agree_with_the_dequantized_model_in_bfloat16(smollm2_gguf_path: Path) -> None:
-    """Steps of 16 rows: the W8A8 stack for every step past the GEMV's 4 rows, so nearly every scored position."""
-    reference = engine(smollm2_gguf_path, "none", "bfloat16", "avx512_bf16").generate(
+@pytest.mark.parametrize("level", [level for level in ("amx", "avx512_bf16") if level_at_least(cpu_isa_level(), level)])
+def test_w8a8_batches_agree_with_the_dequantized_model_in_bfloat16(smollm2_gguf_path: Path, level: str) -> None:
+    """Steps of 16 rows on int8 copies of the weights with int8 activations for every step past the GEMV's 4 rows,
+    so nearly every scored position: --quantization auto at "avx512_bf16" (VNNI); at "amx", whose auto runs
+    prompt steps on the blocks' bfloat16 panels, --quantization int8 (the same int8 weights, on AMX's int8
+    tiles)."""
+    reference = engine(smollm2_gguf_path, "none", "bfloat16", level).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     reference = [output.prompt_token_ids + output.outputs[0].token_ids for output in reference]
-    llm = engine(smollm2_gguf_path, "auto", "bfloat16", "avx512_bf16")
-    assert "w8a8_vnni" in llm.engine.runner.kernel_paths["gemm"]
+    llm = engine(smollm2_gguf_path, "auto" if level == "avx512_bf16" else "int8", "bfloat16", level)
+    assert {"amx": "w8a8_amx", "avx512_bf16": "w8a8_vnni"}[level] in llm.engine.runner.kernel_paths["gemm"]
     assert greedy_agreement(llm, reference) >= W8A8_AGREEMENT_BOUND
