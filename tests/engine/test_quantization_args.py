@@ -36,7 +36,8 @@ def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--quantization {auto,none,gguf,int8}" in help_text and "dequantize in registers" in help_text
     assert "auto = with a .gguf file on CPU with native kernels, the blocks for decode-sized batches" in help_text
-    assert "int8 copies run with int8 activations (W8A8)" in help_text and "(default: auto)" in help_text
+    assert "int8 copies run with int8 activations (W8A8; with AMX for decode steps of up to 64 rows" in help_text
+    assert "(default: auto)" in help_text
 
 
 @pytest.mark.parametrize(
