@@ -49,7 +49,6 @@ class StepInputs:
     spans: list[SequenceSpan]  # in flat-batch order: context length, new tokens and block table of each
     logit_rows: list[int]  # the rows whose logits the step needs, in order
     all_rows_in_order: bool  # logit_rows is every row of the batch, in order: no selection needed
-    prompt_rows: bool = False  # some row computes a prompt token (AttentionMetadata.prompt_rows)
 
 
 class ModelRunner:
@@ -137,19 +136,16 @@ class ModelRunner:
         prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt_logprobs)
         prompt_targets: list[int] = []
         prompt_counts: list[tuple[int, int]] = []  # (scheduled index, rows) per chunk that scores its prompt
-        computes_prompt = False  # some row computes a prompt token
         for i in order:
             item = scheduled[i]
             seq = item.seq
             start, count = seq.num_computed_tokens, item.num_new_tokens
-            prompt = start < seq.num_prompt_tokens
-            computes_prompt = computes_prompt or prompt
             draft = item.draft_token_ids
             first_row = len(input_ids)
             input_ids += seq.token_ids[start : start + count - len(draft)]
             input_ids += draft
             positions.append(np.arange(start, start + count))
-            spans.append(SequenceSpan(start, count, seq.block_table, prompt))
+            spans.append(SequenceSpan(start, count, seq.block_table, start < seq.num_prompt_tokens))
             if item.sample:
                 if seq.grammar is not None:
                     if draft:
@@ -176,8 +172,7 @@ class ModelRunner:
             bitmask = self.mask_thread.submit(_fill_grammar_masks, empty, grammar_rows, drafted_grammars)
         rows = sample_rows + prompt_rows
         step = StepInputs(input_ids, np.concatenate(positions), spans, rows,
-                          len(rows) == len(input_ids) and not prompt_rows,  # all-decode steps: every row, in order
-                          computes_prompt)
+                          len(rows) == len(input_ids) and not prompt_rows)  # all-decode steps: every row, in order
         if self.tp is not None:
             self.tp.broadcast_object(step)
         logits = self.forward_step(step)
@@ -206,7 +201,6 @@ class ModelRunner:
         """The forward over the step's tokens; the logits of its logit_rows in the model dtype (the sampler
         upcasts itself where it needs more than each row's argmax), None when it needs none."""
         meta = build_attention_metadata(step.spans, self.block_size, self.dtype, self.device, self.native)
-        meta.prompt_rows = step.prompt_rows
         hidden = self.model(
             torch.tensor(step.input_ids, device=self.device),
             torch.from_numpy(step.positions).to(self.device),

@@ -47,7 +47,6 @@ class QuantGemm:
         # Where int8 weights past the GEMV run with int8 activations (w8a8_panel_gemm.c) rather than on bfloat16
         # panels: the tiles' name, or None.
         self.w8a8_name = {0: None, 1: "w8a8_vnni", 2: "w8a8_amx"}[library.quant_panel_gemm_w8a8()]
-        self.panel_w8a8 = self.w8a8_name is not None
         # The most rows int8_panels weights should take (they take any number).
         self.w8a8_max_rows = AMX_W8A8_MAX_ROWS if self.w8a8_name == "w8a8_amx" else ANY_ROWS
         # (format, x, [x_bf16,] x_stride, rows, qs, scales, mins, bias, out, n, k, threads): the panels take bfloat16 x only.
@@ -72,6 +71,11 @@ class QuantGemm:
             _int64,
             _int,
         )
+
+    @property
+    def panel_w8a8(self) -> bool:
+        """Whether int8 weights past the GEMV run with int8 activations (w8a8_name is not None)."""
+        return self.w8a8_name is not None
 
     def gemv_max_rows(self, dtype: torch.dtype) -> int:
         """The most rows linear() gives the GEMV for activations of `dtype`."""

@@ -92,6 +92,15 @@ static void w8a8_pack_panel(const void *values, int64_t first, int64_t k, int pr
         }
 }
 
+// One output row's 32 values from its two halves' group sums: (sum - offset) * column scale + bias, rounded to
+// bfloat16 (both paths' last step, in this order).
+static inline void w8a8_store_row(__m512 sum0, __m512 sum1, float offset, __m512 s0, __m512 s1, __m512 b0,
+                                  __m512 b1, uint16_t *out) {
+    const __m512 o = _mm512_set1_ps(offset);
+    store_bf16(out, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum0, o), s0), b0)));
+    store_bf16(out + 16, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum1, o), s1), b1)));
+}
+
 #if defined(PANEL_GEMM_AMX)
 // Rows [0, rows) of a (rows <= 32, the tiles configured for them) times one packed panel into out's 32
 // columns (row stride n). Per group of 64 k: one tdpbsud per 16 rows x 16 outputs, its int32 tile stored and
@@ -147,11 +156,8 @@ static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint
     const __m512 b1 = bias ? load_bf16(bias + 16) : _mm512_setzero_ps();
     for (int m = 0; m < rows; m++) {
         const int t = m / TILE_ROWS, row = m % TILE_ROWS;
-        const __m512 offset = _mm512_set1_ps(a.offsets[m]);
-        const __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(sums[t][0] + 16 * row), offset), s0), b0);
-        const __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(sums[t][1] + 16 * row), offset), s1), b1);
-        store_bf16(out + m * n, round_bf16(y0));
-        store_bf16(out + m * n + 16, round_bf16(y1));
+        w8a8_store_row(_mm512_load_ps(sums[t][0] + 16 * row), _mm512_load_ps(sums[t][1] + 16 * row), a.offsets[m],
+                       s0, s1, b0, b1, out + m * n);
     }
 }
 #else
@@ -197,13 +203,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64
     const __m512 s0 = _mm512_loadu_ps(col_scales), s1 = _mm512_loadu_ps(col_scales + 16);
     const __m512 b0 = bias ? load_bf16(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load_bf16(bias + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < rows; m++) {
-        const __m512 offset = _mm512_set1_ps(a.offsets[m]);
-        const __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum0[m], offset), s0), b0);
-        const __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum1[m], offset), s1), b1);
-        store_bf16(out + m * n, round_bf16(y0));
-        store_bf16(out + m * n + 16, round_bf16(y1));
-    }
+    for (int m = 0; m < rows; m++) w8a8_store_row(sum0[m], sum1[m], a.offsets[m], s0, s1, b0, b1, out + m * n);
 }
 
 static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, const float *col_scales,

@@ -67,8 +67,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     native: NativeKernels | None = None  # runs the groups that have context_lens
-    # Some row computes a prompt token (the model runner sets it): a prompt's last token alone is a
-    # single-token span like a decode, and models may run prompt rows apart (LlamaForCausalLM's stack tables).
+    # Some row computes a prompt token: models may run such steps apart (LlamaForCausalLM's stack tables).
     prompt_rows: bool = False
 
 
@@ -112,7 +111,8 @@ def build_attention_metadata(
         groups.append(group)
         token_start = group.token_end
         start = end
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, native=native)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, native=native,
+                             prompt_rows=any(span.prompt for span in spans))
 
 
 def _num_context_blocks(span: SequenceSpan, block_size: int) -> int:

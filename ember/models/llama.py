@@ -113,19 +113,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class _StackTable(NamedTuple):
     """The model's shape and the decoder stack's per-layer pointer tables ([num_layers, 9] each), in the order a
-    step picks them: (most rows, decodes only, table, quantized) with `quantized` tables holding quantized
-    weights' descriptors (decoder_stack_quant.c) and the others float weights packed for the native GEMM
-    (decoder_stack.c). `descriptors` keeps the quantized tables' descriptors alive."""
+    decode step picks them (steps with prompt rows take the last): (most rows, table, quantized) with `quantized`
+    tables holding quantized weights' descriptors (decoder_stack_quant.c) and the others float weights packed
+    for the native GEMM (decoder_stack.c). `descriptors` keeps the quantized tables' descriptors alive."""
 
     shape: DecoderStackShape
-    choices: tuple[tuple[int, bool, torch.Tensor, bool], ...]
+    choices: tuple[tuple[int, torch.Tensor, bool], ...]
     descriptors: tuple[LinearDescriptors, ...]
 
     def pick(self, rows: int, prompt_rows: bool) -> tuple[torch.Tensor, bool] | None:
         """(table, quantized) for a step of `rows` rows, `prompt_rows` if one computes a prompt token; None: op
         by op."""
-        for most_rows, decodes_only, table, quantized in self.choices:
-            if rows <= most_rows and not (decodes_only and prompt_rows):
+        for most_rows, table, quantized in self.choices[-1:] if prompt_rows else self.choices:
+            if rows <= most_rows:
                 return table, quantized
         return None
 
@@ -246,19 +246,17 @@ class LlamaForCausalLM(nn.Module):
                 panels = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype,
                                                            gemv=False)
                 candidates.append((panels.max_rows, panels))
-            choices = [(most_rows, index < len(candidates) - 1, weights)
-                       for index, (most_rows, weights) in enumerate(candidates)]
             stack = None
-            if choices:
+            if candidates:
                 config = self.config
                 shape = DecoderStackShape(config.intermediate_size, config.num_attention_heads,
                                           config.num_key_value_heads, config.head_dim, kv_caches[0].shape[1],
                                           config.rms_norm_eps)
                 tables = []
-                for most_rows, decodes_only, weights in choices:
+                for most_rows, weights in candidates:
                     quantized = isinstance(weights, LinearDescriptors)
                     addresses = [weights.address(i) for i in range(len(linears))] if quantized else weights
-                    tables.append((most_rows, decodes_only, self._stack_table(addresses, kv_caches), quantized))
+                    tables.append((most_rows, self._stack_table(addresses, kv_caches), quantized))
                 stack = _StackTable(shape, tuple(tables), tuple(d for d in (blocks, batch, panels) if d is not None))
             self._stack_layers = (kv_caches[0].data_ptr(), stack)
         return self._stack_layers[1]

@@ -181,7 +181,7 @@ def test_auto_quantization_runs_the_blocks_for_small_decodes_and_other_tables_fo
         stack, ran = model.native.decoder_stack, []
         model.native.decoder_stack = lambda *args, ran=ran, stack=stack: ran.append(args[0].data_ptr()) or stack(*args)
         auto = [result.outputs[0] for result in llm.generate(prompts, params)]
-        choices = [choice[2].data_ptr() for choice in model._stack_layers[1].choices]
+        choices = [choice[1].data_ptr() for choice in model._stack_layers[1].choices]
         quant_gemm, paths = llm.engine.runner.quant_gemm, llm.engine.runner.kernel_paths
         used = {choices.index(table) for table in ran}
         # With 4 prompts the first tokens come from prompt steps whose logits rows are few enough for the LM
