@@ -35,8 +35,11 @@ from ember.gateway.config import GatewayConfig, parse_config
 from ember.gateway.replicas import ReplicaPool
 from tests.conftest import stop_process
 
-# One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip.
-http = httpx.Client(timeout=60)
+# One client for the tests' plain calls, with a timeout that a loaded 2-core machine cannot trip. No
+# kept-alive connections: uvicorn closes an idle one after 5 s, and a request sent on it just as it closes
+# fails with "Server disconnected without sending a response" (seen once in CI, between two tests that
+# were about 5 s apart). Clients that keep connections retry such a request (the openai SDK, the gateway).
+http = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:
