@@ -206,8 +206,10 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     direct = httpx.post(replica_url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=10)
     assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_api_key"
 
-    # A burst: 12 requests for one replica of 2 slots. The queue overflows, panic starts a second
-    # replica (the gateway admits it once healthy), and every request succeeds.
+    # A burst: 12 requests for one replica of 2 slots. A second replica starts (the gateway admits it once
+    # healthy), and every request succeeds. Which rule starts it depends on the round that first sees the
+    # burst: a full queue is panic; a round that saw the first few requests only (more than the slots, a
+    # queue not yet full) is "queue". Both happen on a loaded machine.
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         burst = [pool.submit(fleet.chat, f"burst {index}", index % 3 == 0, 48) for index in range(12)]
         assert all(future.result()[0] for future in burst)
@@ -241,8 +243,9 @@ def test_scale_from_zero_up_on_a_burst_and_back_to_zero_without_losing_a_request
     )
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("tiny: desired 0 (min 0, max 2); 0 ready, 0 loading, 0 draining")
-    for step in ("0 -> 1  activate", "1 -> 2  panic", "2 -> 1  scale_down", "1 -> 0  scale_to_zero"):
+    for step in ("0 -> 1  activate", "2 -> 1  scale_down", "1 -> 0  scale_to_zero"):
         assert step in shown.stdout, shown.stdout
+    assert "1 -> 2  panic" in shown.stdout or "1 -> 2  queue" in shown.stdout, shown.stdout
 
     assert fleet.stop() == 0
     output = "".join(fleet.lines)
