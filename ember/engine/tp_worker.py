@@ -59,10 +59,14 @@ class TensorParallelWorkers:
             LOOPBACK, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
         )
         self.failure: str | None = None
+        self._worker_died = threading.Event()
         self._stopping = False
         use_shm = self.device.type == "cpu" and args.tensor_parallel_all_reduce == "shm"
         self._shm_file = shm_path(f"{os.getpid()}-{uuid.uuid4().hex[:8]}") if use_shm else None
         self.processes: list[multiprocessing.process.BaseProcess] = []
+        # Rank 0 is this process, bound to its own cores while the group runs: stop() gives the rest back (an
+        # offline LLM's process goes on after its engine, with every core it had).
+        self._cores_before = os.sched_getaffinity(0) if cores is not None else None
         try:
             self.group = self._start(args, config, store, cores)
         except BaseException:
@@ -123,18 +127,11 @@ class TensorParallelWorkers:
             os.unlink(self._shm_file)
 
     def check_alive(self, error: TensorParallelError) -> TensorParallelError:
-        """`error` from a failed collective, naming the dead worker where the supervisor saw one."""
-        for process in self.processes:
-            process.join(timeout=1.0)  # the exit is usually already there; give it a moment
-            if process.exitcode is not None:
-                # The supervisor's thread may not have run yet: the engine's failure is set from here too.
-                self.failure = (
-                    self.failure or f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
-                )
-                return TensorParallelError(
-                    f"tensor-parallel worker {process.name} (pid {process.pid}) exited "
-                    f"with code {process.exitcode}: {error}"
-                )
+        """`error` from a failed collective, naming the dead worker where one died. The supervisor's thread alone
+        reaps workers (two threads joining one process race: the loser sees no exit code, as this method did
+        when it joined too); it reports a death within a moment of the collective's failure."""
+        if self._worker_died.wait(timeout=5.0):
+            return TensorParallelError(f"tensor-parallel worker {self.failure}: {error}")
         return error
 
     def _watch(self) -> None:
@@ -146,6 +143,7 @@ class TensorParallelWorkers:
             process.join()  # sets its exitcode
         self.failure = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
         logger.error("tensor-parallel worker died: %s; the engine cannot run another step", self.failure)
+        self._worker_died.set()
 
     def stop(self) -> None:
         """After the runner's shutdown broadcast (or a failed start): wait for the workers to leave, kill any
@@ -157,6 +155,8 @@ class TensorParallelWorkers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self._cores_before is not None:
+            bind_to_cores(sorted(self._cores_before))
 
 
 def _shm_allreduce(

@@ -96,6 +96,16 @@ def test_each_rank_holds_its_shard(make_tp_llm):
     assert llm.engine.runner.kv_cache.shape[4] == 1
 
 
+def test_the_engine_process_has_its_cores_back_after_shutdown(tiny_model_dir):
+    """Rank 0 runs on its share of the cores while the group lives; an offline LLM's process goes on after the
+    engine with all of them (before, it stayed on rank 0's: every later engine in it ran on one core)."""
+    before = os.sched_getaffinity(0)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_threads=1, tensor_parallel_size=2)
+    assert os.sched_getaffinity(0) == set(sorted(before)[: max(1, len(before) // 2)])
+    llm.engine.shutdown()
+    assert os.sched_getaffinity(0) == before
+
+
 def test_sizes_that_do_not_split_are_refused(tiny_model_dir):
     with pytest.raises(EmberError, match="tensor_parallel_size 3 exceeds the model's 2 KV heads"):
         LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=3)
@@ -106,11 +116,10 @@ def test_sizes_that_do_not_split_are_refused(tiny_model_dir):
 def test_a_worker_that_fails_to_start_fails_the_engine_at_once(tiny_model_dir):
     cores = os.sched_getaffinity(0)
     started = time.monotonic()
-    try:  # core 4096 does not exist: the worker's sched_setaffinity fails before it joins
-        with pytest.raises(TensorParallelError, match=r"worker died while starting: ember-tp-rank1 .* code 1"):
-            LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2, cpu_bind=f"{min(cores)}|4096")
-    finally:
-        os.sched_setaffinity(0, cores)  # rank 0 (this process) was bound to its core
+    # Core 4096 does not exist: the worker's sched_setaffinity fails before it joins.
+    with pytest.raises(TensorParallelError, match=r"worker died while starting: ember-tp-rank1 .* code 1"):
+        LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2, cpu_bind=f"{min(cores)}|4096")
+    assert os.sched_getaffinity(0) == cores  # rank 0 (this process) was bound to its core, and is no longer
     assert time.monotonic() - started < 60
     assert not glob.glob(shm_path(f"{os.getpid()}-*"))  # the shared-memory file was removed
 
