@@ -62,36 +62,56 @@ typedef struct {
     float *d, *s;
 } quantized_activations;
 
+// 8 activations from x (float32, or bfloat16 when x_bf16) at index `at`, as float32.
+static inline __m256 load_activations(const void *x, int x_bf16, int64_t at) {
+    if (!x_bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + at)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+}
+
 // Activation rows [rows, k] (row stride x_stride; float32, or bfloat16 when x_bf16) -> a's rows
-// [first, last). Scalar on purpose: a step's activations are a few KiB, and nearbyintf rounds half to even as
-// the tests' reference does.
+// [first, last), a block of 32 in four vectors of 8: d = max|x| / 127, q = x * (1 / d) rounded half to even
+// (the rounding mode's default, as the tests' reference's nearbyintf), s = d * sum(q).
 static void quantize_activation_rows(const void *x, int x_bf16, int64_t x_stride, int64_t first, int64_t last,
                                      int64_t k, int paired, quantized_activations a) {
     const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
-    float src[BLOCK];
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t r = first; r < last; r++) {
         int8_t *row_q = a.q + r * stride * BLOCK;
-        memset(row_q, 0, (size_t)(stride * BLOCK));
+        memset(row_q + blocks * BLOCK, 0, (size_t)((stride - blocks) * BLOCK));
         for (int64_t b = blocks; b < stride; b++) a.d[r * stride + b] = a.s[r * stride + b] = 0.0f;
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t start = r * x_stride + b * BLOCK;
-            for (int i = 0; i < BLOCK; i++)
-                src[i] = x_bf16 ? bfloat16_to_float(((const uint16_t *)x)[start + i]) : ((const float *)x)[start + i];
-            float amax = 0.0f;
-            for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
-            const float d = amax / 127.0f;
-            const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                const int q = (int)nearbyintf(src[i] * inverse);
-                // Paired: pair b / 2 takes 2 * BLOCK bytes; its half i / 16 holds block b % 2 at offset 16 (b % 2).
-                const int64_t at = paired ? (b / 2) * 2 * BLOCK + (i / 16) * BLOCK + (b % 2) * 16 + i % 16
-                                          : b * BLOCK + i;
-                row_q[at] = (int8_t)q;
-                sum += q;
+            __m256 src[4];
+            __m256 amax = _mm256_setzero_ps();
+            for (int v = 0; v < 4; v++) {
+                src[v] = load_activations(x, x_bf16, r * x_stride + b * BLOCK + v * 8);
+                amax = _mm256_max_ps(amax, _mm256_and_ps(src[v], magnitude));
             }
+            __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+            max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
+            const float d = _mm_cvtss_f32(max4) / 127.0f;
+            const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(src[v], inverse));
+                sum = _mm256_add_epi32(sum, q[v]);
+            }
+            // int32 -> int8 (no saturation happens: |q| <= 127); the packs interleave 128-bit lanes, the
+            // permute puts values 0-31 back in order.
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // Paired: pair b / 2 takes 2 * BLOCK bytes, values 0-15 of block b at offset 16 (b % 2), 16-31 after
+            // both blocks' first halves.
+            int8_t *low = row_q + (paired ? (b / 2) * 2 * BLOCK + (b % 2) * 16 : b * BLOCK);
+            _mm_storeu_si128((__m128i *)low, _mm256_castsi256_si128(bytes));
+            _mm_storeu_si128((__m128i *)(low + (paired ? BLOCK : 16)), _mm256_extracti128_si256(bytes, 1));
+            __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
+            sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
             a.d[r * stride + b] = d;
-            a.s[r * stride + b] = d * (float)sum;
+            a.s[r * stride + b] = d * (float)_mm_cvtsi128_si32(sum4);
         }
     }
 }
@@ -186,11 +206,11 @@ static inline __attribute__((always_inline)) __m256i group_dots(int format, cons
 }
 
 // acc += the group's float terms for one activation row (xd, xs: its GROUP block scales and sums):
-//   Q8_0: dw dx dot, Q4_0: dw (dx dot - 8 s), Q4_1: dw dx dot + mw s, int8: dx dot.
+//   Q8_0: dw dx dot, Q4_0: dw (dx dot - 8 s), Q4_1: dw dx dot + mw s, int8: dx dot (its dw: 1, or 0 in a lane
+// masked off).
 static inline __attribute__((always_inline)) __m256 group_terms(int format, const weight_group *g, __m256i dots,
                                                                 const float *xd, const float *xs, __m256 acc) {
     const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(xd));
-    if (format == INT8) return _mm256_add_ps(acc, scaled);
     if (format == Q4_0)
         return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(xs), scaled), acc);
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
@@ -202,15 +222,19 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
 // `values`) for activation rows r < tile; prefetches the same bytes PREFETCH_ROWS weight rows ahead.
 #define PREFETCH_ROWS 4
 
+// `keep`: all ones in the lanes (blocks) to count, zeros in those counted already (their scales and mins are
+// zeroed).
 static inline __attribute__((always_inline)) void group_step(
         int format, int tile, const char *values, const uint16_t *row_scales, const uint16_t *row_mins, int64_t b,
-        int count, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
+        int count, __m256 keep, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
     const int64_t block_bytes = format == Q4_0 || format == Q4_1 ? BLOCK / 2 : BLOCK;
     const char *group_values = values + b * block_bytes;
     for (int64_t line = 0; line < GROUP * block_bytes; line += 64)
         _mm_prefetch(group_values + PREFETCH_ROWS * row_bytes + line, _MM_HINT_T0);
     weight_group g;
     load_group(format, group_values, row_scales ? row_scales + b : 0, row_mins ? row_mins + b : 0, count, &g);
+    g.scales = _mm256_and_ps(keep, g.scales);
+    if (format == Q4_1) g.mins = _mm256_and_ps(keep, g.mins);
     for (int r = 0; r < tile; r++)
         acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
                              a.s + r * stride + b, acc[r]);
@@ -230,13 +254,22 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     const uint16_t *row_mins = format == Q4_1 ? (const uint16_t *)mins + n * blocks : 0;
     __m256 acc[ROW_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
-    // Whole groups with a constant count (no per-block tests), then the partial one.
-    int64_t b = 0;
-    for (; b + GROUP <= blocks; b += GROUP)
-        group_step(format, tile, values, row_scales, row_mins, b, GROUP, blocks * block_bytes, a, stride, acc);
-    if (b < blocks)
-        group_step(format, tile, values, row_scales, row_mins, b, (int)(blocks - b), blocks * block_bytes, a, stride,
+    // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, the last whole
+    // group ends at the row's last block instead, its blocks counted already masked off, if it starts at a
+    // block pair (the activations' layout pairs blocks 2j and 2j + 1); else the rest runs as a partial group,
+    // whose scales are padded through memory: with k = 576 (18 blocks) that one took as long as the two others.
+    const int overlap = blocks > GROUP && blocks % GROUP != 0 && (blocks - GROUP) % 2 == 0;
+    const int64_t whole = overlap ? blocks : blocks - blocks % GROUP;
+    for (int64_t b = 0; b < whole; b += GROUP) {
+        const int64_t start = b + GROUP <= blocks ? b : blocks - GROUP;
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                                   _mm256_set1_epi32((int)(b - start) - 1)));
+        group_step(format, tile, values, row_scales, row_mins, start, GROUP, keep, blocks * block_bytes, a, stride,
                    acc);
+    }
+    if (whole < blocks)
+        group_step(format, tile, values, row_scales, row_mins, whole, (int)(blocks - whole),
+                   _mm256_castsi256_ps(_mm256_set1_epi32(-1)), blocks * block_bytes, a, stride, acc);
     const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
     const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bfloat16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
     for (int r = 0; r < tile; r++) {

@@ -20,7 +20,7 @@ from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, i
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
-N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then a partial group of 2
+N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then one ending at block 18 (6 masked)
 ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles)
 
 
