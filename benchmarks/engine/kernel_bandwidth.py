@@ -181,7 +181,9 @@ def main() -> None:
     parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
     parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
-    parser.add_argument("--format", choices=QUANT_FORMATS, default="q4_1", help="quant: weight format")
+    # q4_k rows are whole super-blocks of 256, which SmolLM2's widths (576) are not.
+    parser.add_argument("--format", choices=[f for f in QUANT_FORMATS if f != "q4_k"], default="q4_1",
+                        help="quant: weight format")
     parser.add_argument("--panels", action="store_true", help="quant: time the bfloat16 panels, the dequantize + "
                         "F.linear they replace and the native GEMM on the dequantized weights too")
     parser.add_argument("--kernels", choices=ISA_LEVELS[1:], default=None, help="ISA level (default: the CPU's)")

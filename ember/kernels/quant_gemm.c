@@ -1,5 +1,6 @@
 // Quantized weights used as they are stored: y = x @ W^T for W in a GGUF block format (Q8_0, Q4_0, Q4_1:
-// 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1) or int8 with one float scale per
+// 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1; Q4_K: super-blocks of 8 such blocks whose
+// scales and mins are 6-bit multiples of the super-block's fp16 d and dmin) or int8 with one float scale per
 // output row ("int8"), dequantized in registers, never in memory.
 //
 // The activation rows are quantized first, as llama.cpp's Q8_0/Q8_1 activations: per block of 32, a float
@@ -9,7 +10,7 @@
 // that integer in float:
 //   Q8_0: dw * dx * dot(w, x)             (w signed: |w| times x carrying w's sign)
 //   Q4_0: dw * (dx * dot(q, x) - 8 s)      (w = dw (q - 8), q the unsigned nibble)
-//   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw)
+//   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw; Q4_K alike with dw = d sc, mw = -dmin m)
 //   int8: row_scale * sum over blocks of dx * dot(w, x)
 // Decode batches are a few rows, so the GEMV is made to run at the speed of reading the weight once per step:
 // a weight row is read as groups of 8 blocks, each unpacked once into registers and dotted with up to
@@ -28,11 +29,41 @@
 
 #define BLOCK 32
 #define ROW_TILE 4
+#define GROUP 8  // blocks the GEMV unpacks at once (and Q4_K's super-block)
 
 // INT8_PANELS: INT8's values stored as w + 128 in w8a8_panel_gemm.c's panel layout, for its batches only.
-enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4 };
+// Q4_K: GGUF's, its nibbles re-laid out in Q4_1's order per block at load (ember/kernels/quantized_weight.py):
+// per super-block of 8 blocks, scales holds 8 block scales sc then 8 block mins m (bytes), mins d and dmin (fp16).
+enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5 };
+
+// The formats of 4-bit values two per byte, in Q4_0's order within a block of 32.
+static inline int nibble_format(int format) { return format == Q4_0 || format == Q4_1 || format == Q4_K; }
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Q4_K's 8 block scales (d sc) and mins (-dmin m) of one super-block, as float32 (as ggml's dequantizer).
+static inline void q4_k_scales(const uint8_t *block_values, const uint16_t *d_dmin, __m256 *scales, __m256 *mins) {
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)block_values)));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block_values + 8))));
+    *scales = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d_dmin[0])), sc);
+    *mins = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d_dmin[1])), m), _mm256_set1_ps(-0.0f));
+}
+
+// Block b of weight row n (of `blocks`) as w = scale q + min, in float32: Q8_0/Q4_0 (min 0; Q4_0's q offset by 8
+// apart), Q4_1, Q4_K (d sc and -(dmin m), as q4_k_scales).
+static inline void block_scale_min(int format, const void *scales, const void *mins, int64_t n, int64_t blocks,
+                                   int64_t b, float *scale, float *min) {
+    if (format == Q4_K) {
+        const int64_t super = n * (blocks / GROUP) + b / GROUP;
+        const uint8_t *values = (const uint8_t *)scales + super * 16;
+        const uint16_t *d_dmin = (const uint16_t *)mins + super * 2;
+        *scale = half_to_float(d_dmin[0]) * (float)values[b % GROUP];
+        *min = -(half_to_float(d_dmin[1]) * (float)values[GROUP + b % GROUP]);
+        return;
+    }
+    *scale = half_to_float(((const uint16_t *)scales)[n * blocks + b]);
+    *min = format == Q4_1 ? half_to_float(((const uint16_t *)mins)[n * blocks + b]) : 0.0f;
+}
 
 // (Named apart from fused_ops.c's bf16_to_float: decoder_stack_quant.c includes both files.)
 static inline float bfloat16_to_float(uint16_t h) {
@@ -50,10 +81,9 @@ static inline uint16_t float_to_bfloat16(float value) {  // round to nearest eve
 
 // Quantized activations of `rows` rows, laid out for the GEMV below: per row, q holds
 // activation_blocks(k) * BLOCK int8 values, d and s activation_blocks(k) block scales and sums; the blocks
-// past k / BLOCK are zeros, so that the GEMV reads whole groups of GROUP blocks. With `paired` (Q4_0, Q4_1),
+// past k / BLOCK are zeros, so that the GEMV reads whole groups of GROUP blocks. With `paired` (Q4_0, Q4_1, Q4_K),
 // each pair of blocks (2j, 2j + 1) is stored as the low halves of both, then the high halves of both: the order
 // in which one 32-byte load of the pair's packed nibbles yields them (low nibbles, then high nibbles).
-#define GROUP 8
 
 static inline int64_t activation_blocks(int64_t k) { return (k / BLOCK + GROUP - 1) / GROUP * GROUP; }
 
@@ -144,9 +174,10 @@ typedef struct {
     __m256 scales, mins;
 } weight_group;
 
-static inline __attribute__((always_inline)) void load_group(int format, const void *values, const uint16_t *scales,
-                                                             const uint16_t *mins, int count, weight_group *g) {
-    if (format == Q4_0 || format == Q4_1) {
+static inline __attribute__((always_inline)) void load_group(int format, const void *values, const void *row_scales,
+                                                             const void *row_mins, int64_t b, int count,
+                                                             weight_group *g) {
+    if (nibble_format(format)) {
         const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < GROUP / 2; j++) {
             const uint8_t *pair = (const uint8_t *)values + j * BLOCK;
@@ -168,6 +199,12 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
         g->scales = _mm256_set1_ps(1.0f);
         return;
     }
+    if (format == Q4_K) {  // a group is one super-block (k is a multiple of 256)
+        q4_k_scales((const uint8_t *)row_scales + b / GROUP * 16, (const uint16_t *)row_mins + b / GROUP * 2,
+                    &g->scales, &g->mins);
+        return;
+    }
+    const uint16_t *scales = (const uint16_t *)row_scales + b, *mins = row_mins ? (const uint16_t *)row_mins + b : 0;
     uint16_t tail[2][GROUP] = {{0}};  // a partial group's scales and mins, zero past `count`
     if (count < GROUP) {
         memcpy(tail[0], scales, sizeof(uint16_t) * (size_t)count);
@@ -183,7 +220,7 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
 // block b in lane b. The per-block int32 partial sums are reduced together, once per group.
 static inline __attribute__((always_inline)) __m256i group_dots(int format, const weight_group *g,
                                                                  const int8_t *xq) {
-    if (format == Q4_0 || format == Q4_1) {
+    if (nibble_format(format)) {
         __m256i pair[GROUP / 2];  // lanes 0-3: block 2j's partial sums, lanes 4-7: block 2j + 1's
         for (int j = 0; j < GROUP / 2; j++) {
             const __m256i low = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK));
@@ -214,7 +251,7 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
     if (format == Q4_0)
         return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(xs), scaled), acc);
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
-    if (format == Q4_1) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
+    if (format == Q4_1 || format == Q4_K) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
     return acc;
 }
 
@@ -225,16 +262,16 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
 // `keep`: all ones in the lanes (blocks) to count, zeros in those counted already (their scales and mins are
 // zeroed).
 static inline __attribute__((always_inline)) void group_step(
-        int format, int tile, const char *values, const uint16_t *row_scales, const uint16_t *row_mins, int64_t b,
+        int format, int tile, const char *values, const void *row_scales, const void *row_mins, int64_t b,
         int count, __m256 keep, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
-    const int64_t block_bytes = format == Q4_0 || format == Q4_1 ? BLOCK / 2 : BLOCK;
+    const int64_t block_bytes = nibble_format(format) ? BLOCK / 2 : BLOCK;
     const char *group_values = values + b * block_bytes;
     for (int64_t line = 0; line < GROUP * block_bytes; line += 64)
         _mm_prefetch(group_values + PREFETCH_ROWS * row_bytes + line, _MM_HINT_T0);
     weight_group g;
-    load_group(format, group_values, row_scales ? row_scales + b : 0, row_mins ? row_mins + b : 0, count, &g);
+    load_group(format, group_values, row_scales, row_mins, b, count, &g);
     g.scales = _mm256_and_ps(keep, g.scales);
-    if (format == Q4_1) g.mins = _mm256_and_ps(keep, g.mins);
+    if (format == Q4_1 || format == Q4_K) g.mins = _mm256_and_ps(keep, g.mins);
     for (int r = 0; r < tile; r++)
         acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
                              a.s + r * stride + b, acc[r]);
@@ -248,10 +285,14 @@ static inline __attribute__((always_inline)) void weight_row_dot(
         int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n, int64_t k,
         quantized_activations a, const void *bias, int out_bf16, void *out, int64_t n_out) {
     const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
-    const int64_t block_bytes = format == Q4_0 || format == Q4_1 ? BLOCK / 2 : BLOCK;
+    const int64_t block_bytes = nibble_format(format) ? BLOCK / 2 : BLOCK;
     const char *values = (const char *)qs + n * blocks * block_bytes;
-    const uint16_t *row_scales = format == INT8 ? 0 : (const uint16_t *)scales + n * blocks;
-    const uint16_t *row_mins = format == Q4_1 ? (const uint16_t *)mins + n * blocks : 0;
+    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1) or per super-block (Q4_K: 16 bytes, 2 halves).
+    const void *row_scales = format == INT8 ? 0
+                             : format == Q4_K ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
+                                              : (const void *)((const uint16_t *)scales + n * blocks);
+    const void *row_mins = format == Q4_1 ? (const void *)((const uint16_t *)mins + n * blocks)
+                           : format == Q4_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2) : 0;
     __m256 acc[ROW_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
     // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, the last whole
@@ -307,13 +348,14 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
             case Q8_0: TILE_CASES(Q8_0) break;
             case Q4_0: TILE_CASES(Q4_0) break;
             case Q4_1: TILE_CASES(Q4_1) break;
+            case Q4_K: TILE_CASES(Q4_K) break;
             default: TILE_CASES(INT8) break;
             }
         }
     }
 }
 
-static inline int quant_gemm_pairs(int format) { return format == Q4_0 || format == Q4_1; }
+static inline int quant_gemm_pairs(int format) { return nibble_format(format); }
 
 // A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
 // the scratch its activations are quantized into: room for `scratch_rows` rows of activation_blocks(k) blocks.
@@ -394,7 +436,8 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
             continue;
         }
         for (int64_t b = 0; b < blocks; b++) {
-            const float d = half_to_float(((const uint16_t *)scales)[n * blocks + b]);
+            float d, m;
+            block_scale_min(format, scales, mins, n, blocks, b, &d, &m);
             const int64_t first = n * k + b * BLOCK;
             if (format == Q8_0) {
                 const int8_t *q = (const int8_t *)qs + first;
@@ -409,7 +452,6 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
                 }
                 continue;
             }
-            const float m = half_to_float(((const uint16_t *)mins)[n * blocks + b]);
             for (int i = 0; i < BLOCK / 2; i++) {
                 store_value(out, out_bf16, first + i, d * (float)(q[i] & 0x0F) + m);
                 store_value(out, out_bf16, first + i + BLOCK / 2, d * (float)(q[i] >> 4) + m);

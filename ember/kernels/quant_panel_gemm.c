@@ -82,7 +82,7 @@ static inline void int8_lines(const int8_t *q, int64_t row_bytes, const float *s
     for (int i = 0; i < 16; i++) _mm512_store_si512(lines + i * 32, v[i]);
 }
 
-// The same for Q4_0/Q4_1 (byte j of a row's block: weight j in the low nibble, 16 + j in the high one), with the
+// The same for Q4_0/Q4_1/Q4_K (byte j of a row's block: weight j in the low nibble, 16 + j in the high one), with the
 // transpose done on the packed bytes: the 16-bit word j of a row holds weights (2j, 2j + 1) in its low nibbles
 // and (16 + 2j, 17 + 2j) in its high ones, so a transpose of words (four two-source word permutes) gives lines
 // j and 8 + j at once. Each line's 32 values: rows 0-7 then 8-15, in k-pairs, widened, scaled by the rows' d
@@ -114,7 +114,7 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
     const __m512i second_rows = _mm512_add_epi32(first_rows, _mm512_set1_epi32(8));
     const __m512 d_first = _mm512_permutexvar_ps(first_rows, d), d_second = _mm512_permutexvar_ps(second_rows, d);
     __m512 m_first = _mm512_setzero_ps(), m_second = _mm512_setzero_ps();
-    if (format == Q4_1) {
+    if (format == Q4_1 || format == Q4_K) {
         const __m512 m = _mm512_loadu_ps(mins);
         m_first = _mm512_permutexvar_ps(first_rows, m);
         m_second = _mm512_permutexvar_ps(second_rows, m);
@@ -128,7 +128,7 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
             _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(chunk + 64))), offset));
         first = _mm512_mul_ps(d_first, first);  // multiply, then add: dequantize_weight's two roundings
         second = _mm512_mul_ps(d_second, second);
-        if (format == Q4_1) {
+        if (format == Q4_1 || format == Q4_K) {
             first = _mm512_add_ps(first, m_first);
             second = _mm512_add_ps(second, m_second);
         }
@@ -137,16 +137,22 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
 }
 
 // Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales` and
-// `mins` (Q4_1) are scratch for the panel's block scales as float32, [k / 32][PANEL]. The next panel's values
+// `mins` (Q4_1, Q4_K) are scratch for the panel's block scales as float32, [k / 32][PANEL]. The next panel's values
 // (contiguous: rows follow each other) are requested into L2 along the way, a part per block, so that the
 // loads of 16 or 32 rows' interleaved streams find them there.
 static void dequantize_panel(int format, const void *qs, const void *scale_values, const uint16_t *min_values,
                              int64_t first, int64_t n, int64_t k, uint16_t *panel, float *scales, float *mins) {
     const int64_t blocks = k / BLOCK;
-    const int64_t row_bytes = format == Q4_0 || format == Q4_1 ? k / 2 : k;
+    const int64_t row_bytes = nibble_format(format) ? k / 2 : k;
     for (int64_t o = 0; o < PANEL; o++) {
         if (format == INT8) {
             for (int64_t b = 0; b < blocks; b++) scales[b * PANEL + o] = ((const float *)scale_values)[first + o];
+            continue;
+        }
+        if (format == Q4_K) {  // 6-bit multiples of the super-block's d and dmin: one block at a time
+            for (int64_t b = 0; b < blocks; b++)
+                block_scale_min(format, scale_values, min_values, first + o, blocks, b, &scales[b * PANEL + o],
+                                &mins[b * PANEL + o]);
             continue;
         }
         const uint16_t *row_scales = (const uint16_t *)scale_values + (first + o) * blocks;
@@ -172,7 +178,7 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
                     _mm_prefetch(next + ((half * blocks + b) * prefetch_lines + line) * 64, _MM_HINT_T1);
             uint16_t *lines = panel + half * k * 16 + b * 16 * 32;
             const float *block_scales = scales + b * PANEL + half * 16;
-            if (format == Q4_0 || format == Q4_1)
+            if (nibble_format(format))
                 q4_lines(format, (const uint8_t *)qs + row * row_bytes + b * (BLOCK / 2), row_bytes, block_scales,
                          mins + b * PANEL + half * 16, lines);
             else

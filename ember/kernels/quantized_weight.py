@@ -6,6 +6,10 @@ Formats (QUANT_FORMATS):
   values two per byte in llama.cpp's order (byte i of a block: weight i in the low nibble, weight 16 + i in
   the high one; w = d (q - 8), w = d q + m). The blocks' values and their scales are split into separate
   arrays so that the kernel loads aligned runs of each.
+- "q4_k": GGUF's Q4_K (super-blocks of 256 weights: fp16 d and dmin, 6-bit scale and min per block of 32,
+  w = d sc q - dmin m), its nibbles re-laid out at load in Q4_1's order per block of 32 so that one kernel
+  unpacks both; `scales` holds each super-block's 8 block scales sc then its 8 block mins m (uint8, 16 per
+  super-block) and `mins` its d and dmin (fp16, 2 per super-block): 4.625 bits per weight, the file's 4.5.
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
 - "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
@@ -25,13 +29,16 @@ import numpy as np
 import torch
 
 BLOCK = 32
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "int8", "int8_panels")
+SUPER_BLOCK = 256  # Q4_K's: 8 blocks of 32
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "int8", "int8_panels")
+NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
 GGUF_BLOCK_FORMATS = {
     "Q8_0": ("q8_0", 2 + BLOCK),
     "Q4_0": ("q4_0", 2 + BLOCK // 2),
     "Q4_1": ("q4_1", 4 + BLOCK // 2),
+    "Q4_K": ("q4_k", 4 + 12 + SUPER_BLOCK // 2),  # per super-block: d, dmin, 12 bytes of 6-bit sc/m, nibbles
 }
 
 
@@ -39,13 +46,14 @@ GGUF_BLOCK_FORMATS = {
 class QuantizedWeight:
     format: str
     values: torch.Tensor  # int8 [N, K] (q8_0, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1) or panels (int8_panels)
-    scales: torch.Tensor  # float16 [N, K / 32], or float32 [N] for int8 and int8_panels
-    mins: torch.Tensor | None = None  # float16 [N, K / 32], q4_1 only
+    # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None  # float16 [N, K / 32] for q4_1, [N, K / 256 * 2] (d, dmin) for q4_k
 
     @property
     def shape(self) -> torch.Size:
         n, width = self.values.shape
-        return torch.Size((n, width * 2 if self.format in ("q4_0", "q4_1") else width))
+        return torch.Size((n, width * 2 if self.format in NIBBLE_FORMATS else width))
 
     @property
     def nbytes(self) -> int:
@@ -73,20 +81,33 @@ class QuantizedWeight:
         if self.format == "int8_panels":
             values = self.values.view(n // PANEL_OUTPUTS, 2, k // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, k)
             return self.scales[:, None] * (values.float() - 128)
-        scales = self.scales.float()[:, :, None]
         if self.format == "q8_0":
-            return (scales * self.values.view(n, -1, BLOCK).float()).view(n, k)
+            return (self.scales.float()[:, :, None] * self.values.view(n, -1, BLOCK).float()).view(n, k)
         packed = self.values.view(n, -1, BLOCK // 2)
         nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
         if self.format == "q4_0":
-            return (scales * (nibbles - 8)).view(n, k)
-        return (scales * nibbles + self.mins.float()[:, :, None]).view(n, k)
+            return (self.scales.float()[:, :, None] * (nibbles - 8)).view(n, k)
+        scales, mins = self.block_scales_and_mins()
+        return (scales[:, :, None] * nibbles + mins[:, :, None]).view(n, k)
+
+    def block_scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q4_1 and q4_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min); for q4_k
+        d sc and -(dmin m), each product in float32 as llama.cpp's dequantizer computes it."""
+        if self.format == "q4_1":
+            return self.scales.float(), self.mins.float()
+        n = self.values.shape[0]
+        block_values = self.scales.view(n, -1, 2, SUPER_BLOCK // BLOCK).float()  # [n, super, (sc, m), 8]
+        super_scales = self.mins.view(n, -1, 2, 1).float()  # [n, super, (d, dmin), 1]
+        return ((super_scales[:, :, 0] * block_values[:, :, 0]).view(n, -1),
+                -(super_scales[:, :, 1] * block_values[:, :, 1]).view(n, -1))
 
     @classmethod
     def from_gguf_blocks(cls, block_type: str, data: np.ndarray, rows: int) -> QuantizedWeight:
-        """From a GGUF tensor's raw bytes (uint8, `rows` rows) of block type Q8_0, Q4_0 or Q4_1."""
+        """From a GGUF tensor's raw bytes (uint8, `rows` rows) of block type Q8_0, Q4_0, Q4_1 or Q4_K."""
         format, block_bytes = GGUF_BLOCK_FORMATS[block_type]
         blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+        if format == "q4_k":
+            return cls._from_q4_k_blocks(blocks)
         scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0])
         mins = None
         if format == "q4_1":
@@ -96,6 +117,25 @@ class QuantizedWeight:
         )
         values = torch.from_numpy(values.reshape(rows, -1))
         return cls(format, values.view(torch.int8) if format == "q8_0" else values, scales, mins)
+
+    @classmethod
+    def _from_q4_k_blocks(cls, blocks: np.ndarray) -> QuantizedWeight:
+        """Q4_K super-blocks [rows, super, 144] (ggml's block_q4_K) as "q4_k" (see the module docstring)."""
+        rows, supers = blocks.shape[:2]
+        d_dmin = np.ascontiguousarray(blocks[:, :, 0:4]).view(np.float16).reshape(rows, supers * 2)
+        packed = blocks[:, :, 4:16].astype(np.uint8)
+        # ggml's get_scale_min_k4: blocks 0-3 in the low 6 bits of bytes 0-3 (sc) and 4-7 (m); blocks 4-7 in the
+        # nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes 0-3 (sc) and 4-7 (m).
+        sc = np.concatenate([packed[:, :, 0:4] & 63, (packed[:, :, 8:12] & 0x0F) | ((packed[:, :, 0:4] >> 6) << 4)], axis=2)
+        m = np.concatenate([packed[:, :, 4:8] & 63, (packed[:, :, 8:12] >> 4) | ((packed[:, :, 4:8] >> 6) << 4)], axis=2)
+        # Nibbles: per 64 weights, 32 bytes whose low nibbles are block 2j's weights 0-31 and high nibbles block
+        # 2j + 1's; Q4_1's order puts weight i of a block in byte i % 16's low (i < 16) or high nibble.
+        qs = blocks[:, :, 16:].reshape(rows, supers, 4, 32)
+        weights = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, supers * 8, 2, 16)  # [block, half, i]
+        values = (weights[:, :, 0] | (weights[:, :, 1] << 4)).astype(np.uint8).reshape(rows, -1)
+        return cls("q4_k", torch.from_numpy(np.ascontiguousarray(values)),
+                   torch.from_numpy(np.ascontiguousarray(np.concatenate([sc, m], axis=2).reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray(d_dmin)))
 
     @classmethod
     def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:

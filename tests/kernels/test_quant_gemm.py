@@ -19,9 +19,15 @@ from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGe
 from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, int8_panels
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
-FORMATS = ("q8_0", "q4_0", "q4_1", "int8")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "int8")
 N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then one ending at block 18 (6 masked)
 ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles)
+Q4_K_WIDTHS = {K: 512, ODD_K: 768}  # q4_k rows are whole super-blocks of 256 (one GEMV group each)
+
+
+def width(format: str, k: int = K) -> int:
+    """The row width a test uses for `format` where others use k."""
+    return Q4_K_WIDTHS[k] if format == "q4_k" else k
 
 
 @pytest.fixture(scope="module", params=LEVELS or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
@@ -35,6 +41,14 @@ def random_weight(format: str, seed: int, k: int = K) -> tuple[QuantizedWeight, 
     """A weight [N, k] of `format` made from random floats, and its float32 values as gguf's own dequantizer
     (or, for int8, the definition) gives them."""
     generator = torch.Generator().manual_seed(seed)
+    if format == "q4_k":  # gguf cannot quantize to it: random super-blocks (any bytes, small fp16 d and dmin)
+        rng = np.random.default_rng(seed)
+        blocks = rng.integers(0, 256, (N, k // 256, 144), dtype=np.uint8)
+        d_dmin = (rng.random((N, k // 256, 2)) * 0.02).astype(np.float16)
+        blocks[:, :, 0:4] = d_dmin.view(np.uint8).reshape(N, k // 256, 4)
+        raw = blocks.reshape(N, -1)
+        dense = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(N, k).astype(np.float32)
+        return QuantizedWeight.from_gguf_blocks("Q4_K", raw, N), torch.from_numpy(dense)
     dense = torch.randn(N, k, generator=generator) * torch.rand(N, 1, generator=generator)
     if format == "int8":
         weight = QuantizedWeight.int8_per_channel(dense)
@@ -68,12 +82,13 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
     if weight.format == "int8":
         terms = dots * d[:, None, :] * weight.scales.double()[None, :, None]
     else:
-        dw = weight.scales.double()[None]
+        scales, mins = weight.block_scales_and_mins() if weight.format in ("q4_1", "q4_k") else (weight.scales, None)
+        dw = scales.double()[None]
         terms = dw * d[:, None, :] * dots
         if weight.format == "q4_0":
             terms = terms - 8 * dw * xs[:, None, :]
-        if weight.format == "q4_1":
-            terms = terms + weight.mins.double()[None] * xs[:, None, :]
+        if mins is not None:
+            terms = terms + mins.double()[None] * xs[:, None, :]
     return terms.sum(dim=2), 1e-5 * terms.abs().sum(dim=2)
 
 
@@ -81,6 +96,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("k", [K, ODD_K])
 def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, rows: int, k: int) -> None:
+    k = width(format, k)
     weight, _ = random_weight(format, seed=rows, k=k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
     x[0, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
@@ -94,8 +110,8 @@ def test_gemm_matches_the_same_math_in_float64(kernels: QuantGemm, format: str, 
 def test_bfloat16_rows_and_bias(kernels: QuantGemm, format: str) -> None:
     """bfloat16 in and out: the same math on the bfloat16 values, the bias added and the sum rounded to
     bfloat16 once (within half a bfloat16 step of the float64 result, beyond the float32 bound)."""
-    weight, _ = random_weight(format, seed=3)
-    x = torch.randn(6, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    weight, _ = random_weight(format, seed=3, k=width(format))
+    x = torch.randn(6, width(format), generator=torch.Generator().manual_seed(5)).bfloat16()
     bias = torch.randn(N, generator=torch.Generator().manual_seed(6)).bfloat16()
     expected, bound = reference(x.float(), weight)
     expected = expected + bias.double()
@@ -106,7 +122,7 @@ def test_bfloat16_rows_and_bias(kernels: QuantGemm, format: str) -> None:
 
 @pytest.mark.parametrize("format", FORMATS)
 def test_dequantize_matches_gguf(kernels: QuantGemm, format: str) -> None:
-    weight, dense = random_weight(format, seed=7)
+    weight, dense = random_weight(format, seed=7, k=width(format))
     assert torch.allclose(kernels.dequantize(weight), dense, rtol=1e-6, atol=0)
     assert torch.equal(kernels.dequantize(weight, torch.bfloat16), kernels.dequantize(weight).bfloat16())
     assert torch.allclose(weight.dequantize(), dense, rtol=1e-6, atol=0)
@@ -116,9 +132,9 @@ def test_dequantize_matches_gguf(kernels: QuantGemm, format: str) -> None:
 def test_linear_switches_to_the_dequantized_gemm_past_the_decode_rows(
     kernels: QuantGemm, format: str
 ) -> None:
-    weight, dense = random_weight(format, seed=11)
+    weight, dense = random_weight(format, seed=11, k=width(format))
     bias = torch.randn(N)
-    x = torch.randn(GEMV_MAX_ROWS + 1, K)
+    x = torch.randn(GEMV_MAX_ROWS + 1, width(format))
     assert torch.allclose(kernels.linear(x, weight, bias), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
     # Decode rows: the quantized activations cost about 1% of the output's scale.
     decode = kernels.linear(x[:2], weight, bias)
@@ -145,11 +161,11 @@ def test_panels_equal_the_bfloat16_gemm_on_the_dequantized_weight(level: str, fo
     assert kernels.w8a8_name == {"amx": "w8a8_amx", "avx512_bf16": "w8a8_vnni"}[level]
     if format == "int8" and kernels.panel_w8a8:
         pytest.skip("int8 weights run W8A8 here: test_w8a8_panels_compute_the_same_math")
-    weight, dense = random_weight(format, seed=5)
+    weight, dense = random_weight(format, seed=5, k=width(format))
     packed = native.pack_gemm_weight(kernels.dequantize(weight, torch.bfloat16))
     bias = torch.randn(N).bfloat16()
     for rows in (1, PANEL_GEMV_MAX_ROWS + 1, 32, 45, 100):
-        x = torch.randn(rows, K).bfloat16()
+        x = torch.randn(rows, width(format)).bfloat16()
         expected = native.gemm(x, packed, bias)
         assert torch.equal(kernels.panel_gemm(x, weight, bias), expected), rows
         exact = x.float() @ dense.T + bias.float()  # only the weights' rounding to bfloat16 and the sums differ

@@ -148,6 +148,17 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
             stored = _permute(values, heads if "attn_q" in gguf_name else kv_heads)
         if gguf_name in drop:
             continue
+        if qtype == GGMLQuantizationType.Q4_K:  # gguf cannot quantize to it: random super-blocks, small d and dmin
+            blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
+            d_dmin = (rng.random((shape[0], shape[1] // 256, 2)) * 0.02).astype(np.float16)
+            blocks[:, :, 0:4] = d_dmin.view(np.uint8).reshape(shape[0], -1, 4)
+            raw = blocks.reshape(shape[0], -1)
+            if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+                raw = _permute(raw, heads if "attn_q" in gguf_name else kv_heads)  # rows of blocks move whole
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(shape[0], -1), qtype)
+                                              .reshape(shape).copy())
+            continue
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             writer.add_tensor(gguf_name, gguf.quants.quantize(stored, qtype))
         elif qtype == GGMLQuantizationType.Q8_1:  # gguf cannot produce it; any bytes of the right size do
