@@ -11,6 +11,7 @@
 //   Q8_0: dw * dx * dot(w, x)             (w signed: |w| times x carrying w's sign)
 //   Q4_0: dw * (dx * dot(q, x) - 8 s)      (w = dw (q - 8), q the unsigned nibble)
 //   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw; Q4_K alike with dw = d sc, mw = -dmin m)
+//   Q6_K: d * dx * (sc0 * dot0(v, x) + sc1 * dot1(v, x)) - dmin * m * s   (the block's halves of 16, each with its sc)
 //   int8: row_scale * sum over blocks of dx * dot(w, x)
 // Decode batches are a few rows, so the GEMV is made to run at the speed of reading the weight once per step:
 // a weight row is read as groups of 8 blocks, each unpacked once into registers and dotted with up to
@@ -34,7 +35,10 @@
 // INT8_PANELS: INT8's values stored as w + 128 in w8a8_panel_gemm.c's panel layout, for its batches only.
 // Q4_K: GGUF's, its nibbles re-laid out in Q4_1's order per block at load (ember/kernels/quantized_weight.py):
 // per super-block of 8 blocks, scales holds 8 block scales sc then 8 block mins m (bytes), mins d and dmin (fp16).
-enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5 };
+// Q6_K: GGUF's, its values unpacked at load to int8 v = q - 32 in order (as Q8_0's), w = d sc v - dmin m with an
+// int8 sc per 16 weights and a uint8 m per 32 (0 in Q6_K's own rows; Q4_K rows fused with Q6_K ones take this
+// form): per super-block, scales holds its 16 sc then 8 m (24 bytes), mins its d and dmin (fp16).
+enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5, Q6_K = 6 };
 
 // The formats of 4-bit values two per byte, in Q4_0's order within a block of 32.
 static inline int nibble_format(int format) { return format == Q4_0 || format == Q4_1 || format == Q4_K; }
@@ -63,6 +67,19 @@ static inline void block_scale_min(int format, const void *scales, const void *m
     }
     *scale = half_to_float(((const uint16_t *)scales)[n * blocks + b]);
     *min = format == Q4_1 ? half_to_float(((const uint16_t *)mins)[n * blocks + b]) : 0.0f;
+}
+
+// Q6_K: of weight row n, the scale d sc of its 16 weights `half` (of k / 16) and the min -(dmin m) of its block
+// half / 2, in float32 (as ggml's dequantizers).
+static inline float q6_k_half_scale(const void *scales, const void *mins, int64_t n, int64_t k, int64_t half) {
+    const int64_t super = n * (k / (GROUP * BLOCK)) + half / (GROUP * 2);
+    return half_to_float(((const uint16_t *)mins)[2 * super]) * (float)((const int8_t *)scales)[super * 24 + half % 16];
+}
+
+static inline float q6_k_block_min(const void *scales, const void *mins, int64_t n, int64_t k, int64_t b) {
+    const int64_t super = n * (k / (GROUP * BLOCK)) + b / GROUP;
+    return -(half_to_float(((const uint16_t *)mins)[2 * super + 1]) *
+             (float)((const uint8_t *)scales)[super * 24 + 16 + b % GROUP]);
 }
 
 // (Named apart from fused_ops.c's bf16_to_float: decoder_stack_quant.c includes both files.)
@@ -172,6 +189,7 @@ static inline float horizontal_sum(__m256 v) {
 typedef struct {
     __m256i u[GROUP], w[GROUP];
     __m256 scales, mins;
+    __m256i half_scales[2];  // Q6_K: the sc of blocks 0-3's first halves then of their second halves; 4-7's
 } weight_group;
 
 static inline __attribute__((always_inline)) void load_group(int format, const void *values, const void *row_scales,
@@ -202,6 +220,18 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
     if (format == Q4_K) {  // a group is one super-block (k is a multiple of 256)
         q4_k_scales((const uint8_t *)row_scales + b / GROUP * 16, (const uint16_t *)row_mins + b / GROUP * 2,
                     &g->scales, &g->mins);
+        return;
+    }
+    if (format == Q6_K) {  // one super-block too: 16 sc (block b's halves at 2b and 2b + 1), 8 m, d and dmin
+        const int8_t *sc_m = (const int8_t *)row_scales + b / GROUP * 24;
+        const uint16_t *d_dmin = (const uint16_t *)row_mins + b / GROUP * 2;
+        const __m128i sc = _mm_loadu_si128((const __m128i *)sc_m);
+        const __m256i halves_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        g->half_scales[0] = _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(sc), halves_first);
+        g->half_scales[1] = _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)), halves_first);
+        g->scales = _mm256_set1_ps(half_to_float(d_dmin[0]));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc_m + 16))));
+        g->mins = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(d_dmin[1])), m), _mm256_set1_ps(-0.0f));
         return;
     }
     const uint16_t *scales = (const uint16_t *)row_scales + b, *mins = row_mins ? (const uint16_t *)row_mins + b : 0;
@@ -237,8 +267,12 @@ static inline __attribute__((always_inline)) __m256i group_dots(int format, cons
         block[b] = dot_u8_s8(_mm256_setzero_si256(), g->u[b], _mm256_sign_epi8(x, g->w[b]));
     }
     // Lanes: [b0 b1 b2 b3 | b0 b1 b2 b3] (each half of each block's lanes), likewise for b4-b7, then added.
-    const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(block[0], block[1]), _mm256_hadd_epi32(block[2], block[3]));
-    const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(block[4], block[5]), _mm256_hadd_epi32(block[6], block[7]));
+    __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(block[0], block[1]), _mm256_hadd_epi32(block[2], block[3]));
+    __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(block[4], block[5]), _mm256_hadd_epi32(block[6], block[7]));
+    if (format == Q6_K) {  // each half times its integer scale: |16 * 127 * 32 * 128| < 2^31, exact
+        low = _mm256_mullo_epi32(low, g->half_scales[0]);
+        high = _mm256_mullo_epi32(high, g->half_scales[1]);
+    }
     return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
 }
 
@@ -251,7 +285,7 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
     if (format == Q4_0)
         return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(xs), scaled), acc);
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
-    if (format == Q4_1 || format == Q4_K) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
+    if (format == Q4_1 || format == Q4_K || format == Q6_K) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
     return acc;
 }
 
@@ -290,9 +324,11 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1) or per super-block (Q4_K: 16 bytes, 2 halves).
     const void *row_scales = format == INT8 ? 0
                              : format == Q4_K ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
+                             : format == Q6_K ? (const void *)((const int8_t *)scales + n * blocks / GROUP * 24)
                                               : (const void *)((const uint16_t *)scales + n * blocks);
-    const void *row_mins = format == Q4_1 ? (const void *)((const uint16_t *)mins + n * blocks)
-                           : format == Q4_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2) : 0;
+    const void *row_mins = format == Q4_1                   ? (const void *)((const uint16_t *)mins + n * blocks)
+                           : format == Q4_K || format == Q6_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2)
+                                                              : 0;
     __m256 acc[ROW_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
     // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, the last whole
@@ -349,6 +385,7 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
             case Q4_0: TILE_CASES(Q4_0) break;
             case Q4_1: TILE_CASES(Q4_1) break;
             case Q4_K: TILE_CASES(Q4_K) break;
+            case Q6_K: TILE_CASES(Q6_K) break;
             default: TILE_CASES(INT8) break;
             }
         }
@@ -433,6 +470,14 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
             const float scale = ((const float *)scales)[n];
             const int8_t *q = (const int8_t *)qs + n * k;
             for (int64_t i = 0; i < k; i++) store_value(out, out_bf16, n * k + i, scale * (float)q[i]);
+            continue;
+        }
+        if (format == Q6_K) {
+            const int8_t *q = (const int8_t *)qs + n * k;
+            for (int64_t i = 0; i < k; i++) {  // multiply, then add: the panels' arithmetic
+                const float scale = q6_k_half_scale(scales, mins, n, k, i / 16);
+                store_value(out, out_bf16, n * k + i, scale * (float)q[i] + q6_k_block_min(scales, mins, n, k, i / 32));
+            }
             continue;
         }
         for (int64_t b = 0; b < blocks; b++) {

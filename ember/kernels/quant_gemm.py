@@ -21,7 +21,9 @@ from ember.kernels.native import ANY_ROWS
 from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "int8_panels": 4, "q4_k": 5}  # quant_gemm.c's enum weight_format
+_FORMAT_CODES = {  # quant_gemm.c's enum weight_format
+    "q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "int8_panels": 4, "q4_k": 5, "q6_k": 6,
+}
 _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # The most rows the GEMV takes: past them the float GEMM on the dequantized weight is faster, and with bfloat16
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).

@@ -32,13 +32,19 @@ int quant_panel_gemm_supported(void) {
 #if defined(PANEL_GEMM_AMX) || defined(PANEL_GEMM_BF16)
 #define PANEL 32  // outputs per panel: the GEMMs' pair of 16-output blocks
 
-// Block b (32 values along k) of 8-bit weight row `row` (Q8_0, int8) as 32 bfloat16 in k order, as
-// dequantize_weight computes them; d: the block's scale (the row's for int8).
-static inline __m512i dequantize_int8_block(const int8_t *q, float d) {
-    const __m512 scale = _mm512_set1_ps(d);  // multiply, then round once: dequantize_weight's arithmetic
-    const __m512 first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
-    const __m512 second =
-        _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+// Block b (32 values along k) of 8-bit weight row `row` (Q8_0, Q6_K, int8) as 32 bfloat16 in k order, as
+// dequantize_weight computes them; d0, d1: the scales of its first and second 16 values (Q6_K's own; the block's,
+// or the row's for int8, twice otherwise); min: Q6_K's, added after the multiply (NULL for the others).
+static inline __m512i dequantize_int8_block(const int8_t *q, float d0, float d1, const float *min) {
+    // Multiply, then round once: dequantize_weight's arithmetic.
+    __m512 first =
+        _mm512_mul_ps(_mm512_set1_ps(d0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+    __m512 second = _mm512_mul_ps(
+        _mm512_set1_ps(d1), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+    if (min) {
+        first = _mm512_add_ps(first, _mm512_set1_ps(*min));
+        second = _mm512_add_ps(second, _mm512_set1_ps(*min));
+    }
     return (__m512i)_mm512_cvtne2ps_pbh(second, first);
 }
 
@@ -74,10 +80,13 @@ static inline void transpose_16x16_epi32(__m512i *v) {
 
 // 16 lines of the VNNI layout (line L: k-pair L of block b for 16 weight rows, 32 bfloat16) from the block's
 // 8-bit values of those rows (row i at q + i * row_bytes): each row's block dequantized in k order is one vector
-// of 16 k-pairs, and a 16 x 16 transpose of the pairs makes the lines. scales: the 16 rows' block scales.
-static inline void int8_lines(const int8_t *q, int64_t row_bytes, const float *scales, uint16_t *lines) {
+// of 16 k-pairs, and a 16 x 16 transpose of the pairs makes the lines. scales, second_scales: the 16 rows' scales
+// of their block's first and second 16 values; mins: their blocks' mins (Q6_K) or NULL.
+static inline void int8_lines(const int8_t *q, int64_t row_bytes, const float *scales, const float *second_scales,
+                              const float *mins, uint16_t *lines) {
     __m512i v[16];
-    for (int i = 0; i < 16; i++) v[i] = dequantize_int8_block(q + i * row_bytes, scales[i]);
+    for (int i = 0; i < 16; i++)
+        v[i] = dequantize_int8_block(q + i * row_bytes, scales[i], second_scales[i], mins ? mins + i : NULL);
     transpose_16x16_epi32(v);
     for (int i = 0; i < 16; i++) _mm512_store_si512(lines + i * 32, v[i]);
 }
@@ -136,12 +145,14 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
     }
 }
 
-// Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales` and
-// `mins` (Q4_1, Q4_K) are scratch for the panel's block scales as float32, [k / 32][PANEL]. The next panel's values
+// Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales`,
+// `mins` (Q4_1, Q4_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
+// block scales as float32, [k / 32][PANEL]. The next panel's values
 // (contiguous: rows follow each other) are requested into L2 along the way, a part per block, so that the
 // loads of 16 or 32 rows' interleaved streams find them there.
 static void dequantize_panel(int format, const void *qs, const void *scale_values, const uint16_t *min_values,
-                             int64_t first, int64_t n, int64_t k, uint16_t *panel, float *scales, float *mins) {
+                             int64_t first, int64_t n, int64_t k, uint16_t *panel, float *scales, float *mins,
+                             float *second_scales) {
     const int64_t blocks = k / BLOCK;
     const int64_t row_bytes = nibble_format(format) ? k / 2 : k;
     for (int64_t o = 0; o < PANEL; o++) {
@@ -153,6 +164,14 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
             for (int64_t b = 0; b < blocks; b++)
                 block_scale_min(format, scale_values, min_values, first + o, blocks, b, &scales[b * PANEL + o],
                                 &mins[b * PANEL + o]);
+            continue;
+        }
+        if (format == Q6_K) {  // a scale per 16 values and a min per block
+            for (int64_t b = 0; b < blocks; b++) {
+                scales[b * PANEL + o] = q6_k_half_scale(scale_values, min_values, first + o, k, 2 * b);
+                second_scales[b * PANEL + o] = q6_k_half_scale(scale_values, min_values, first + o, k, 2 * b + 1);
+                mins[b * PANEL + o] = q6_k_block_min(scale_values, min_values, first + o, k, b);
+            }
             continue;
         }
         const uint16_t *row_scales = (const uint16_t *)scale_values + (first + o) * blocks;
@@ -182,7 +201,9 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
                 q4_lines(format, (const uint8_t *)qs + row * row_bytes + b * (BLOCK / 2), row_bytes, block_scales,
                          mins + b * PANEL + half * 16, lines);
             else
-                int8_lines((const int8_t *)qs + row * row_bytes + b * BLOCK, row_bytes, block_scales, lines);
+                int8_lines((const int8_t *)qs + row * row_bytes + b * BLOCK, row_bytes, block_scales,
+                           format == Q6_K ? second_scales + b * PANEL + half * 16 : block_scales,
+                           format == Q6_K ? mins + b * PANEL + half * 16 : NULL, lines);
         }
     }
 }
@@ -228,11 +249,14 @@ static void quant_panel_gemm_share(const quant_linear *w, const uint16_t *x, int
         return;
     }
 #endif
-    // The panel (bfloat16) and its block scales and mins (float32): this thread's cache-resident scratch.
-    uint16_t *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(uint16_t) + 2 * (size_t)(k / BLOCK * PANEL) * sizeof(float));
+    // The panel (bfloat16) and its block scales, mins and second scales (float32): this thread's cache-resident
+    // scratch.
+    uint16_t *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(uint16_t) + 3 * (size_t)(k / BLOCK * PANEL) * sizeof(float));
     float *scales = (float *)(panel + PANEL * k), *mins = scales + k / BLOCK * PANEL;
+    float *second_scales = mins + k / BLOCK * PANEL;
     for (int64_t p = begin; p < end; p++) {
-        dequantize_panel((int)w->format, w->qs, w->scales, w->mins, p * PANEL, n, k, panel, scales, mins);
+        dequantize_panel((int)w->format, w->qs, w->scales, w->mins, p * PANEL, n, k, panel, scales, mins,
+                         second_scales);
         panel_rows(x, x_stride, panel, bias, out, rows, n, k, p * PANEL);
     }
 #if defined(PANEL_GEMM_AMX)

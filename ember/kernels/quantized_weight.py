@@ -10,6 +10,12 @@ Formats (QUANT_FORMATS):
   w = d sc q - dmin m), its nibbles re-laid out at load in Q4_1's order per block of 32 so that one kernel
   unpacks both; `scales` holds each super-block's 8 block scales sc then its 8 block mins m (uint8, 16 per
   super-block) and `mins` its d and dmin (fp16, 2 per super-block): 4.625 bits per weight, the file's 4.5.
+- "q6_k": GGUF's Q6_K (super-blocks of 256 weights: fp16 d, an int8 scale sc per 16 weights, 6-bit q,
+  w = d sc (q - 32)) as int8 values v = q - 32 in order (as Q8_0's) and w = d sc v - dmin m with a min m per 32
+  weights (0 for Q6_K's own rows): `scales` holds per super-block its 16 int8 sc then 8 uint8 m (24 bytes), `mins`
+  its fp16 d and dmin (0 for Q6_K): 8.8 bits per weight, the file's 6.56. Q4_K rows fused with Q6_K ones in one
+  projection (llama.cpp's Q4_K_M files keep attn_v in Q6_K beside Q4_K attn_q and attn_k) take this form too
+  (v = q, each sc twice), so the projection stays one quantized weight.
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
 - "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
@@ -30,7 +36,7 @@ import torch
 
 BLOCK = 32
 SUPER_BLOCK = 256  # Q4_K's: 8 blocks of 32
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "int8", "int8_panels")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int8_panels")
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
@@ -39,6 +45,7 @@ GGUF_BLOCK_FORMATS = {
     "Q4_0": ("q4_0", 2 + BLOCK // 2),
     "Q4_1": ("q4_1", 4 + BLOCK // 2),
     "Q4_K": ("q4_k", 4 + 12 + SUPER_BLOCK // 2),  # per super-block: d, dmin, 12 bytes of 6-bit sc/m, nibbles
+    "Q6_K": ("q6_k", SUPER_BLOCK // 2 + SUPER_BLOCK // 4 + SUPER_BLOCK // 16 + 2),  # low 4 bits, high 2, sc, d
 }
 
 
@@ -46,9 +53,10 @@ GGUF_BLOCK_FORMATS = {
 class QuantizedWeight:
     format: str
     values: torch.Tensor  # int8 [N, K] (q8_0, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1) or panels (int8_panels)
-    # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k
+    # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k and
+    # [N, K / 256 * 24] for q6_k
     scales: torch.Tensor
-    mins: torch.Tensor | None = None  # float16 [N, K / 32] for q4_1, [N, K / 256 * 2] (d, dmin) for q4_k
+    mins: torch.Tensor | None = None  # float16: [N, K / 32] for q4_1, [N, K / 256 * 2] (d, dmin) for q4_k and q6_k
 
     @property
     def shape(self) -> torch.Size:
@@ -83,6 +91,10 @@ class QuantizedWeight:
             return self.scales[:, None] * (values.float() - 128)
         if self.format == "q8_0":
             return (self.scales.float()[:, :, None] * self.values.view(n, -1, BLOCK).float()).view(n, k)
+        if self.format == "q6_k":
+            scales, mins = self.block_scales_and_mins()
+            halves = scales.view(n, -1, 2, 1) * self.values.view(n, -1, 2, 16).float()
+            return (halves.view(n, -1, BLOCK) + mins[:, :, None]).view(n, k)
         packed = self.values.view(n, -1, BLOCK // 2)
         nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
         if self.format == "q4_0":
@@ -91,11 +103,17 @@ class QuantizedWeight:
         return (scales[:, :, None] * nibbles + mins[:, :, None]).view(n, k)
 
     def block_scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4_1 and q4_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min); for q4_k
-        d sc and -(dmin m), each product in float32 as llama.cpp's dequantizer computes it."""
+        """q4_1, q4_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
+        scales per 16 weights, [N, K / 16]); for q4_k and q6_k d sc and -(dmin m), each product in float32 as
+        llama.cpp's dequantizers compute it."""
         if self.format == "q4_1":
             return self.scales.float(), self.mins.float()
         n = self.values.shape[0]
+        if self.format == "q6_k":
+            per_super = self.scales.view(n, -1, 24)
+            sc, m = per_super[:, :, :16].view(torch.int8).float(), per_super[:, :, 16:].float()
+            d_dmin = self.mins.view(n, -1, 2).float()
+            return (d_dmin[:, :, :1] * sc).view(n, -1), -(d_dmin[:, :, 1:] * m).view(n, -1)
         block_values = self.scales.view(n, -1, 2, SUPER_BLOCK // BLOCK).float()  # [n, super, (sc, m), 8]
         super_scales = self.mins.view(n, -1, 2, 1).float()  # [n, super, (d, dmin), 1]
         return ((super_scales[:, :, 0] * block_values[:, :, 0]).view(n, -1),
@@ -108,6 +126,8 @@ class QuantizedWeight:
         blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
         if format == "q4_k":
             return cls._from_q4_k_blocks(blocks)
+        if format == "q6_k":
+            return cls._from_q6_k_blocks(blocks)
         scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0])
         mins = None
         if format == "q4_1":
@@ -138,6 +158,35 @@ class QuantizedWeight:
                    torch.from_numpy(np.ascontiguousarray(d_dmin)))
 
     @classmethod
+    def _from_q6_k_blocks(cls, blocks: np.ndarray) -> QuantizedWeight:
+        """Q6_K super-blocks [rows, super, 210] (ggml's block_q6_K: ql[128], qh[64], int8 scales[16], fp16 d) as
+        "q6_k" (see the module docstring)."""
+        rows, supers = blocks.shape[:2]
+        ql = blocks[:, :, 0:128].reshape(rows, supers, 2, 2, 32)  # [half][first or second 32 bytes][l]
+        qh = blocks[:, :, 128:192].reshape(rows, supers, 2, 1, 32)
+        # Per half of 128 weights, 4 runs of 32: low nibbles of ql's two runs, then their high nibbles, each with
+        # 2 bits of qh (bits 0-1, 2-3, then 4-5, 6-7).
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [half][run 0-3][l]
+        high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=3)
+        values = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+        scales = np.concatenate([blocks[:, :, 192:208], np.zeros((rows, supers, 8), np.uint8)], axis=2)  # sc, m = 0
+        d_dmin = np.zeros((rows, supers, 2), np.float16)
+        d_dmin[:, :, 0] = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16)[:, :, 0]
+        return cls("q6_k", torch.from_numpy(np.ascontiguousarray(values)),
+                   torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
+                   torch.from_numpy(d_dmin.reshape(rows, -1)))
+
+    def as_q6_k(self) -> QuantizedWeight:
+        """A q4_k weight in q6_k's form, the same values (see the module docstring)."""
+        n, k = self.shape
+        packed = self.values.view(n, -1, BLOCK // 2)
+        values = torch.cat([packed & 0x0F, packed >> 4], dim=2).to(torch.int8).view(n, k)
+        per_super = self.scales.view(n, -1, 2, SUPER_BLOCK // BLOCK)  # [n, super, (sc, m), 8]
+        sc = per_super[:, :, 0].repeat_interleave(2, dim=2)  # each block's sc for both its halves
+        return QuantizedWeight("q6_k", values.contiguous(), torch.cat([sc, per_super[:, :, 1]], dim=2).view(n, -1),
+                               self.mins)
+
+    @classmethod
     def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:
         """Weight-only int8 of a float weight [N, K]: per output row, scale = max |w| / 127 and
         round(w / scale)."""
@@ -162,6 +211,9 @@ def cat_rows(
     """Weights stacked along their rows (q/k/v into qkv): quantized ones of one format stay quantized; any
     other mix (a GGUF file may store v in another type than q and k) is dequantized to `dtype`."""
     formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
+    if formats == {"q4_k", "q6_k"}:  # Q4_K_M's q, k and v: one q6_k weight
+        weights = [w.as_q6_k() if w.format == "q4_k" else w for w in weights]
+        formats = {"q6_k"}
     if len(formats) == 1 and None not in formats:
         first = weights[0]
         arrays = [f.name for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)]

@@ -16,18 +16,21 @@ from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_flags, cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGemm
-from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, int8_panels
+from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, cat_rows, int8_panels
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "int8")
+# "q4_k+q6_k": Q4_K rows fused with Q6_K ones (a Q4_K_M file's q, k and v), one q6_k weight with mins
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k+q6_k", "int8")
 N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then one ending at block 18 (6 masked)
 ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles)
-Q4_K_WIDTHS = {K: 512, ODD_K: 768}  # q4_k rows are whole super-blocks of 256 (one GEMV group each)
+K_QUANT_WIDTHS = {K: 512, ODD_K: 768}  # q4_k and q6_k rows are whole super-blocks of 256 (one GEMV group each)
+# GGUF block type, bytes per super-block and the offset of its fp16 scales (d, and dmin for Q4_K)
+K_QUANTS = {"q4_k": ("Q4_K", 144, 0, 2), "q6_k": ("Q6_K", 210, 208, 1)}
 
 
 def width(format: str, k: int = K) -> int:
     """The row width a test uses for `format` where others use k."""
-    return Q4_K_WIDTHS[k] if format == "q4_k" else k
+    return K_QUANT_WIDTHS[k] if format in (*K_QUANTS, "q4_k+q6_k") else k
 
 
 @pytest.fixture(scope="module", params=LEVELS or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
@@ -41,14 +44,20 @@ def random_weight(format: str, seed: int, k: int = K) -> tuple[QuantizedWeight, 
     """A weight [N, k] of `format` made from random floats, and its float32 values as gguf's own dequantizer
     (or, for int8, the definition) gives them."""
     generator = torch.Generator().manual_seed(seed)
-    if format == "q4_k":  # gguf cannot quantize to it: random super-blocks (any bytes, small fp16 d and dmin)
+    if format == "q4_k+q6_k":
+        parts = [random_weight(part, seed + i, k) for i, part in enumerate(("q4_k", "q6_k"))]
+        fused = cat_rows([weight.map_rows(lambda rows: rows[: N // 2]) for weight, _ in parts], torch.float32)
+        assert isinstance(fused, QuantizedWeight) and fused.format == "q6_k"
+        return fused, torch.cat([dense[: N // 2] for _, dense in parts])
+    if format in K_QUANTS:  # gguf cannot quantize to them: random super-blocks (any bytes, small fp16 scales)
+        block_type, block_bytes, at, count = K_QUANTS[format]
         rng = np.random.default_rng(seed)
-        blocks = rng.integers(0, 256, (N, k // 256, 144), dtype=np.uint8)
-        d_dmin = (rng.random((N, k // 256, 2)) * 0.02).astype(np.float16)
-        blocks[:, :, 0:4] = d_dmin.view(np.uint8).reshape(N, k // 256, 4)
+        blocks = rng.integers(0, 256, (N, k // 256, block_bytes), dtype=np.uint8)
+        floats = (rng.random((N, k // 256, count)) * 0.02).astype(np.float16)
+        blocks[:, :, at : at + 2 * count] = floats.view(np.uint8).reshape(N, k // 256, 2 * count)
         raw = blocks.reshape(N, -1)
-        dense = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(N, k).astype(np.float32)
-        return QuantizedWeight.from_gguf_blocks("Q4_K", raw, N), torch.from_numpy(dense)
+        dense = dequantize(raw, GGMLQuantizationType[block_type]).reshape(N, k).astype(np.float32)
+        return QuantizedWeight.from_gguf_blocks(block_type, raw, N), torch.from_numpy(dense)
     dense = torch.randn(N, k, generator=generator) * torch.rand(N, 1, generator=generator)
     if format == "int8":
         weight = QuantizedWeight.int8_per_channel(dense)
@@ -73,6 +82,12 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
     xs = (d * xq.sum(dim=2)).double()
     d = d.double()
     n = weight.shape[0]
+    if weight.format == "q6_k":  # a scale per 16 weights within the activations' blocks of 32, a min per 32
+        halves = torch.einsum("rbhi,nbhi->rnbh", xq.double().view(rows, -1, 2, 16),
+                              weight.values.view(n, -1, 2, 16).double())
+        half_scales, mins = (t.double() for t in weight.block_scales_and_mins())
+        terms = (halves * half_scales.view(n, -1, 2)[None]).sum(dim=3) * d[:, None, :] + mins[None] * xs[:, None, :]
+        return terms.sum(dim=2), 1e-5 * terms.abs().sum(dim=2)
     if weight.format in ("q8_0", "int8"):
         q = weight.values.view(n, -1, BLOCK).double()
     else:

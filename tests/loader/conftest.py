@@ -69,6 +69,10 @@ _CYCLE = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantization
           GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.F32]
 
 
+# K-quant type -> bytes per super-block of 256, the offset of its fp16 scales (d, and dmin for Q4_K), their count
+_K_QUANTS = {GGMLQuantizationType.Q4_K: (144, 0, 2), GGMLQuantizationType.Q6_K: (210, 208, 1)}
+
+
 @dataclass
 class TinyGGUF:
     path: Path
@@ -148,10 +152,11 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype_overrides: dict[st
             stored = _permute(values, heads if "attn_q" in gguf_name else kv_heads)
         if gguf_name in drop:
             continue
-        if qtype == GGMLQuantizationType.Q4_K:  # gguf cannot quantize to it: random super-blocks, small d and dmin
-            blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
-            d_dmin = (rng.random((shape[0], shape[1] // 256, 2)) * 0.02).astype(np.float16)
-            blocks[:, :, 0:4] = d_dmin.view(np.uint8).reshape(shape[0], -1, 4)
+        if qtype in _K_QUANTS:  # gguf cannot quantize to them: random super-blocks, small fp16 scales
+            block_bytes, at, count = _K_QUANTS[qtype]
+            blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, block_bytes), dtype=np.uint8)
+            floats = (rng.random((shape[0], shape[1] // 256, count)) * 0.02).astype(np.float16)
+            blocks[:, :, at : at + 2 * count] = floats.view(np.uint8).reshape(shape[0], -1, 2 * count)
             raw = blocks.reshape(shape[0], -1)
             if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
                 raw = _permute(raw, heads if "attn_q" in gguf_name else kv_heads)  # rows of blocks move whole

@@ -82,26 +82,29 @@ Q4_K_DIMS = dict(hidden=256, intermediate=512, heads=4, kv_heads=2)  # K-quant r
     compiler() is None or not level_at_least(cpu_isa_level(), "avx2"),
     reason="quantized weights need a C compiler and AVX2",
 )
-def test_q4_k_blocks_stay_quantized_and_run_in_the_engine(gguf_writer) -> None:
-    """A file whose Linear weights are all Q4_K (as most of a Q4_K_M file's): kept in their super-blocks, which
-    dequantize to gguf's own values; decode steps run them in the GEMV, and a prompt of more rows than it takes
-    is scored with the weights dequantized by the kernels: the dequantized model's scores."""
-    layer_linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+def test_k_quant_blocks_stay_quantized_and_run_in_the_engine(gguf_writer) -> None:
+    """A file of Q4_K_M's mix (Q6_K attn_v and ffn_down, Q4_K the other Linears): kept in their super-blocks,
+    which dequantize to gguf's own values; decode steps run them in the GEMV, and a prompt of more rows than it
+    takes is scored with the weights dequantized by the kernels: the dequantized model's scores."""
+    six_bit = ("attn_v", "ffn_down")
+    layer_linears = ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", *six_bit)
     tiny = gguf_writer(dims=Q4_K_DIMS, qtype_overrides={
-        f"blk.{i}.{linear}.weight": GGMLQuantizationType.Q4_K for i in range(2) for linear in layer_linears
+        f"blk.{i}.{linear}.weight": GGMLQuantizationType.Q6_K if linear in six_bit else GGMLQuantizationType.Q4_K
+        for i in range(2) for linear in layer_linears
     })
     loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
-    q4_k = [name for name in loaded.state_dict if (w := loaded.state_dict.quantized(name)) and w.format == "q4_k"]
-    assert len(q4_k) == 2 * len(layer_linears)
-    for name in q4_k:
-        assert torch.equal(loaded.state_dict.quantized(name).dequantize(), tiny.expected[name]), name
+    formats = {name: w.format for name in loaded.state_dict if (w := loaded.state_dict.quantized(name))}
+    assert sorted(formats.values()).count("q4_k") == 2 * 5 and sorted(formats.values()).count("q6_k") == 2 * 2
+    for name, format in formats.items():
+        if format in ("q4_k", "q6_k"):
+            assert torch.equal(loaded.state_dict.quantized(name).dequantize(), tiny.expected[name]), name
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     outputs = {}
     for quantization in ("none", "gguf"):
         llm = LLM(str(tiny.path), dtype="float32", quantization=quantization, num_threads=1)
         outputs[quantization] = llm.generate(["hello world! " * 12], params)[0]
     gemm = llm.engine.runner.kernel_paths["gemm"]
-    assert gemm.startswith("native_quant_") and "q4_k" in gemm and "float Linear" not in gemm, gemm
+    assert gemm.startswith("native_quant_") and "q4_k+q6_k" in gemm and "float Linear" not in gemm, gemm
     assert len(outputs["gguf"].outputs[0].token_ids) == 8
     reference, quantized = (output.prompt_logprobs[1:] for output in outputs.values())
     assert len(reference) > 16
