@@ -1,7 +1,8 @@
 // Quantized weights used as they are stored: y = x @ W^T for W in a GGUF block format (Q8_0, Q4_0, Q4_1:
 // 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1; Q4_K: super-blocks of 8 such blocks whose
-// scales and mins are 6-bit multiples of the super-block's fp16 d and dmin) or int8 with one float scale per
-// output row ("int8"), dequantized in registers, never in memory.
+// scales and mins are 6-bit multiples of the super-block's fp16 d and dmin; Q6_K: 6-bit values, an 8-bit scale per
+// 16 weights, times the super-block's d) or int8 with one float scale per output row ("int8"), dequantized in
+// registers, never in memory.
 //
 // The activation rows are quantized first, as llama.cpp's Q8_0/Q8_1 activations: per block of 32, a float
 // scale d = max|x| / 127, int8 values round(x / d) and their sum s = d * sum(q). A weight block then meets
@@ -69,13 +70,13 @@ static inline void block_scale_min(int format, const void *scales, const void *m
     *min = format == Q4_1 ? half_to_float(((const uint16_t *)mins)[n * blocks + b]) : 0.0f;
 }
 
-// Q6_K: of weight row n, the scale d sc of its 16 weights `half` (of k / 16) and the min -(dmin m) of its block
-// half / 2, in float32 (as ggml's dequantizers).
+// Q6_K: the scale d sc of weight row n's 16 weights `half` (of k / 16), in float32 (as ggml's dequantizer).
 static inline float q6_k_half_scale(const void *scales, const void *mins, int64_t n, int64_t k, int64_t half) {
     const int64_t super = n * (k / (GROUP * BLOCK)) + half / (GROUP * 2);
     return half_to_float(((const uint16_t *)mins)[2 * super]) * (float)((const int8_t *)scales)[super * 24 + half % 16];
 }
 
+// Q6_K: the min -(dmin m) of weight row n's block b, in float32 (as ggml's Q4_K dequantizer; 0 in Q6_K's rows).
 static inline float q6_k_block_min(const void *scales, const void *mins, int64_t n, int64_t k, int64_t b) {
     const int64_t super = n * (k / (GROUP * BLOCK)) + b / GROUP;
     return -(half_to_float(((const uint16_t *)mins)[2 * super + 1]) *
