@@ -16,6 +16,9 @@ Formats (QUANT_FORMATS):
   its fp16 d and dmin (0 for Q6_K): 8.8 bits per weight, the file's 6.56. Q4_K rows fused with Q6_K ones in one
   projection (llama.cpp's Q4_K_M files keep attn_v in Q6_K beside Q4_K attn_q and attn_k) take this form too
   (v = q, each sc twice), so the projection stays one quantized weight.
+- GGUF's Q5_0 (per block of 32: fp16 d, 5-bit q, w = d (q - 16)) loads as "q8_0" with values q - 16: the same
+  weights at 8.5 bits instead of 5.5, run by Q8_0's kernels (llama.cpp's own Q4_K_M of a model whose rows are not
+  whole super-blocks of 256, SmolLM2's, is mostly Q5_0).
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
 - "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
@@ -44,6 +47,7 @@ GGUF_BLOCK_FORMATS = {
     "Q8_0": ("q8_0", 2 + BLOCK),
     "Q4_0": ("q4_0", 2 + BLOCK // 2),
     "Q4_1": ("q4_1", 4 + BLOCK // 2),
+    "Q5_0": ("q8_0", 2 + 4 + BLOCK // 2),  # fp16 d, 32 high bits, 16 bytes of low nibbles: loaded as Q8_0
     "Q4_K": ("q4_k", 4 + 12 + SUPER_BLOCK // 2),  # per super-block: d, dmin, 12 bytes of 6-bit sc/m, nibbles
     "Q6_K": ("q6_k", SUPER_BLOCK // 2 + SUPER_BLOCK // 4 + SUPER_BLOCK // 16 + 2),  # low 4 bits, high 2, sc, d
 }
@@ -128,6 +132,8 @@ class QuantizedWeight:
             return cls._from_q4_k_blocks(blocks)
         if format == "q6_k":
             return cls._from_q6_k_blocks(blocks)
+        if block_type == "Q5_0":
+            return cls._from_q5_0_blocks(blocks)
         scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0])
         mins = None
         if format == "q4_1":
@@ -175,6 +181,19 @@ class QuantizedWeight:
         return cls("q6_k", torch.from_numpy(np.ascontiguousarray(values)),
                    torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
                    torch.from_numpy(d_dmin.reshape(rows, -1)))
+
+    @classmethod
+    def _from_q5_0_blocks(cls, blocks: np.ndarray) -> QuantizedWeight:
+        """Q5_0 blocks [rows, blocks, 22] (ggml's block_q5_0: fp16 d, uint32 qh, qs[16]) as "q8_0" with values
+        q - 16 (q: weight i's low 4 bits in byte i % 16 of qs, low nibble for i < 16, its fifth bit bit i of qh)."""
+        rows = blocks.shape[0]
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0]
+        high_bits = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # [rows, blocks, 1]
+        qs = blocks[:, :, 6:22]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int16)  # [rows, blocks, 32]
+        fifth = (high_bits >> np.arange(BLOCK, dtype=np.uint32)) & 1
+        values = (low | (fifth.astype(np.int16) << 4)) - 16
+        return cls("q8_0", torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d.copy()))
 
     def as_q6_k(self) -> QuantizedWeight:
         """A q4_k weight in q6_k's form, the same values (see the module docstring)."""

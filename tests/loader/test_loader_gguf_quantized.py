@@ -46,6 +46,21 @@ def test_block_types_stay_quantized_and_dequantize_to_the_files_values(gguf_writ
     assert any(".q_proj." in name or ".k_proj." in name for name in formats)
 
 
+def test_q5_0_blocks_load_as_q8_0_with_the_files_values(gguf_writer) -> None:
+    """Q5_0 (llama.cpp's Q4_K_M falls back to it for rows that are not whole super-blocks) runs as Q8_0: its 5-bit
+    values less 16 under the same fp16 scales, the file's weights exactly."""
+    linears = ("attn_q", "attn_k", "attn_v", "ffn_up")
+    tiny = gguf_writer(qtype_overrides={f"blk.{i}.{linear}.weight": GGMLQuantizationType.Q5_0
+                                        for i in range(2) for linear in linears})
+    loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
+    names = [f"model.layers.{i}.{part}.{p}_proj.weight" for i in range(2)
+             for part, p in (("self_attn", "q"), ("self_attn", "k"), ("self_attn", "v"), ("mlp", "up"))]
+    for name in names:
+        weight = loaded.state_dict.quantized(name)
+        assert weight is not None and weight.format == "q8_0", name
+        assert torch.equal(weight.dequantize(), tiny.expected[name]), name
+
+
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir) -> None:
     with pytest.raises(ModelLoadError, match="not a .gguf file; use --quantization int8"):
         load_model(tiny_model_dir, quantization="gguf")
