@@ -5,7 +5,7 @@
 // So each thread takes a run of 32-output panels of the weight and, one panel at a time, dequantizes it into
 // its cache in the bfloat16 GEMMs' VNNI layout ([2][K / 2][16][2], see amx_gemm.c), then multiplies every row of
 // x by it with amx_gemm.c's tiles (AMX) or bf16_gemm.c's (AVX512-BF16). The weight leaves memory once per call,
-// as stored (4.5 to 8.5 bits a weight where bfloat16 takes 16): at 32 rows the dequantization costs less than
+// as stored (4.5 to 8.8 bits a weight where bfloat16 takes 16): at 32 rows the dequantization costs less than
 // the bytes it saves, and at prompt sizes the tiles' arithmetic dwarfs it. Values are dequantized as
 // dequantize_weight does (w = d q (+ m) in float32, rounded to nearest even bfloat16), so the results are those of
 // the bfloat16 GEMM on the dequantized weight: the activations stay bfloat16, unlike quant_gemm.c's int8 ones.
