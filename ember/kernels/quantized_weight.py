@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 BLOCK = 32
-SUPER_BLOCK = 256  # Q4_K's: 8 blocks of 32
+SUPER_BLOCK = 256  # the K-quants' (Q4_K, Q6_K): 8 blocks of 32
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int8_panels")
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
@@ -56,7 +56,8 @@ GGUF_BLOCK_FORMATS = {
 @dataclass(frozen=True)
 class QuantizedWeight:
     format: str
-    values: torch.Tensor  # int8 [N, K] (q8_0, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1) or panels (int8_panels)
+    # int8 [N, K] (q8_0, q6_k, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1, q4_k) or panels (int8_panels)
+    values: torch.Tensor
     # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k and
     # [N, K / 256 * 24] for q6_k
     scales: torch.Tensor
@@ -125,7 +126,7 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf_blocks(cls, block_type: str, data: np.ndarray, rows: int) -> QuantizedWeight:
-        """From a GGUF tensor's raw bytes (uint8, `rows` rows) of block type Q8_0, Q4_0, Q4_1 or Q4_K."""
+        """From a GGUF tensor's raw bytes (uint8, `rows` rows) of a block type of GGUF_BLOCK_FORMATS."""
         format, block_bytes = GGUF_BLOCK_FORMATS[block_type]
         blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
         if format == "q4_k":
