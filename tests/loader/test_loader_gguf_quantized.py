@@ -4,6 +4,8 @@ a tiny model with a mix of block and float types in one fused projection runs th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -70,17 +72,15 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir) -> None:
     compiler() is None or not level_at_least(cpu_isa_level(), "avx2"),
     reason="quantized weights need a C compiler and AVX2",
 )
-def test_mixed_types_in_one_projection_run_in_the_engine(gguf_writer) -> None:
-    tiny = gguf_writer()
+def gguf_scores_the_prompt_as_none(path: Path) -> str:
+    """Generates 8 tokens with quantization gguf and checks its prompt's scores against the dequantized model's
+    (quantization none): a prompt of more rows than the decode kernel takes is scored with the weights
+    dequantized. Returns gguf's GEMM kernel path."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     outputs = {}
     for quantization in ("none", "gguf"):
-        llm = LLM(str(tiny.path), dtype="float32", quantization=quantization, num_threads=1)
-        # A prompt of more rows than the decode kernel takes: scored with the dequantized weights.
+        llm = LLM(str(path), dtype="float32", quantization=quantization, num_threads=1)
         outputs[quantization] = llm.generate(["hello world! " * 12], params)[0]
-    gemm = llm.engine.runner.kernel_paths["gemm"]
-    # Some fused projections mix block and float types: those are dequantized, the rest run quantized.
-    assert gemm.startswith("native_quant_") and "float Linear(s)" in gemm, gemm
     assert len(outputs["gguf"].outputs[0].token_ids) == 8
     reference, quantized = (output.prompt_logprobs[1:] for output in outputs.values())
     assert len(reference) > 16
@@ -88,6 +88,13 @@ def test_mixed_types_in_one_projection_run_in_the_engine(gguf_writer) -> None:
         assert got.keys() == expected.keys()
         for token, logprob in expected.items():
             assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+    return llm.engine.runner.kernel_paths["gemm"]
+
+
+def test_mixed_types_in_one_projection_run_in_the_engine(gguf_writer) -> None:
+    gemm = gguf_scores_the_prompt_as_none(gguf_writer().path)
+    # Some fused projections mix block and float types: those are dequantized, the rest run quantized.
+    assert gemm.startswith("native_quant_") and "float Linear(s)" in gemm, gemm
 
 
 Q4_K_DIMS = dict(hidden=256, intermediate=512, heads=4, kv_heads=2)  # K-quant rows: whole super-blocks of 256
@@ -113,17 +120,5 @@ def test_k_quant_blocks_stay_quantized_and_run_in_the_engine(gguf_writer) -> Non
     for name, format in formats.items():
         if format in ("q4_k", "q6_k"):
             assert torch.equal(loaded.state_dict.quantized(name).dequantize(), tiny.expected[name]), name
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    outputs = {}
-    for quantization in ("none", "gguf"):
-        llm = LLM(str(tiny.path), dtype="float32", quantization=quantization, num_threads=1)
-        outputs[quantization] = llm.generate(["hello world! " * 12], params)[0]
-    gemm = llm.engine.runner.kernel_paths["gemm"]
+    gemm = gguf_scores_the_prompt_as_none(tiny.path)
     assert gemm.startswith("native_quant_") and "q4_k+q6_k" in gemm and "float Linear" not in gemm, gemm
-    assert len(outputs["gguf"].outputs[0].token_ids) == 8
-    reference, quantized = (output.prompt_logprobs[1:] for output in outputs.values())
-    assert len(reference) > 16
-    for expected, got in zip(reference, quantized, strict=True):
-        assert got.keys() == expected.keys()
-        for token, logprob in expected.items():
-            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
