@@ -3,6 +3,8 @@ does not run in (before any weight is read)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ember.cli import build_parser
@@ -33,7 +35,8 @@ def test_unknown_values_are_refused_by_the_parser_with_the_choices(
 def test_help_describes_it(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
-    help_text = " ".join(capsys.readouterr().out.split())
+    # argparse wraps lines at hyphens too ("decode-" then "sized"): join those first, then the other breaks.
+    help_text = " ".join(re.sub(r"-\n\s+", "-", capsys.readouterr().out).split())
     assert "--quantization {auto,none,gguf,int8}" in help_text and "dequantize in registers" in help_text
     assert "auto = with a .gguf file on CPU with native kernels, the blocks for decode-sized batches" in help_text
     assert "int8 copies run with int8 activations (W8A8; with AMX for decode steps of up to 64 rows" in help_text
