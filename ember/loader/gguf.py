@@ -2,8 +2,8 @@
 
 Weights are read when the model asks for them, whole or by rows or columns (dequantized to the model dtype), so
 a tensor-parallel rank reads only its slice. With quantization="gguf" the Linear layers' weights of the block
-types Ember's kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay in their blocks (QuantizedWeight, taken whole), and a tied
-output layer gets its own quantized lm_head.weight from the embedding's blocks (the embedding itself, a
+types Ember's kernels run (Q8_0, Q4_0, Q4_1, Q5_0 as Q8_0, Q4_K, Q6_K) stay in their blocks (QuantizedWeight, taken
+whole), and a tied output layer gets its own quantized lm_head.weight from the embedding's blocks (the embedding itself, a
 lookup table, is dequantized)."""
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def _tensor_sources(reader: GGUFReader, path: Path, config: ModelConfig, quantiz
 
 
 def _blocks(tensor: Any, block_type: str, permuted_heads: int | None) -> QuantizedWeight:
-    """A GGUF tensor's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as they are, with llama.cpp's q/k row interleave undone."""
+    """A GGUF tensor's blocks of a type of GGUF_BLOCK_FORMATS, with llama.cpp's q/k row interleave undone."""
     weight = QuantizedWeight.from_gguf_blocks(block_type, tensor.data, int(tensor.shape[1]))
     if permuted_heads is None:
         return weight
@@ -213,8 +213,8 @@ def _blocks(tensor: Any, block_type: str, permuted_heads: int | None) -> Quantiz
 
 def load_gguf(path: Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
               quantization: str = "none") -> LoadedModel:
-    """quantization "gguf" (and "auto") keeps the Linear layers' Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks (see the module
-    docstring)."""
+    """quantization "gguf" (and "auto") keeps the Linear layers' blocks of the types Ember's kernels run (see the
+    module docstring)."""
     reader = open_gguf(path)
     splits = metadata_value(reader, "split.count", 1)
     if splits > 1:

@@ -82,8 +82,8 @@ class InMemoryTensor:
 
 
 class QuantizedSource:
-    """A Linear weight kept in its quantized blocks (GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K with --quantization gguf): the model
-    takes it whole (LazyStateDict.quantized); a float read dequantizes it, as quant_gemm.c does."""
+    """A Linear weight kept in its quantized blocks (a GGUF block type of GGUF_BLOCK_FORMATS, with --quantization
+    gguf): the model takes it whole (LazyStateDict.quantized); a float read dequantizes it, as quant_gemm.c does."""
 
     def __init__(self, weight: QuantizedWeight) -> None:
         self.weight = weight
