@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level
 from ember.kernels.native import NativeKernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
-from ember.kernels.quantized_weight import BLOCK, QUANT_FORMATS, QuantizedWeight, int8_panels
+from ember.kernels.quantized_weight import (
+    BLOCK,
+    QUANT_FORMATS,
+    SUPER_BLOCK_FORMATS,
+    QuantizedWeight,
+    int8_panels,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) per decoder layer
@@ -181,8 +187,8 @@ def main() -> None:
     parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
     parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
-    # q4_k rows are whole super-blocks of 256, which SmolLM2's widths (576) are not.
-    parser.add_argument("--format", choices=[f for f in QUANT_FORMATS if f != "q4_k"], default="q4_1",
+    # The K-quants' rows are whole super-blocks of 256, which SmolLM2's widths (576) are not.
+    parser.add_argument("--format", choices=[f for f in QUANT_FORMATS if f not in SUPER_BLOCK_FORMATS], default="q4_1",
                         help="quant: weight format")
     parser.add_argument("--panels", action="store_true", help="quant: time the bfloat16 panels, the dequantize + "
                         "F.linear they replace and the native GEMM on the dequantized weights too")

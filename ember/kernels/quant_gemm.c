@@ -322,7 +322,8 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
     const int64_t block_bytes = nibble_format(format) ? BLOCK / 2 : BLOCK;
     const char *values = (const char *)qs + n * blocks * block_bytes;
-    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1) or per super-block (Q4_K: 16 bytes, 2 halves).
+    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1) or per super-block (Q4_K: 16 bytes of sc and m, Q6_K:
+    // 24; both: fp16 d and dmin).
     const void *row_scales = format == INT8 ? 0
                              : format == Q4_K ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
                              : format == Q6_K ? (const void *)((const int8_t *)scales + n * blocks / GROUP * 24)

@@ -41,6 +41,7 @@ BLOCK = 32
 SUPER_BLOCK = 256  # the K-quants' (Q4_K, Q6_K): 8 blocks of 32
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int8_panels")
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
+SUPER_BLOCK_FORMATS = ("q4_k", "q6_k")  # their rows are whole super-blocks
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
 GGUF_BLOCK_FORMATS = {
