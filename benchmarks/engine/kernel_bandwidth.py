@@ -139,7 +139,7 @@ def random_quantized_weight(format: str, n: int, k: int, generator: torch.Genera
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         weight = QuantizedWeight("int8", values, torch.rand(n, generator=generator) * 0.01)
         return int8_panels(weight) if format == "int8_panels" else weight
-    width = k if format == "q8_0" else k // 2
+    width = {"q8_0": k, "q5_0": k // 2 + k // 8, "q5_1": k // 2 + k // 8}.get(format, k // 2)  # (whole block pairs)
     values = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=generator)
     if format == "q8_0":
         values = values.view(torch.int8)
@@ -147,7 +147,7 @@ def random_quantized_weight(format: str, n: int, k: int, generator: torch.Genera
     def block_floats() -> torch.Tensor:
         return (torch.rand(n, k // BLOCK, generator=generator) * 0.01).half()
 
-    return QuantizedWeight(format, values, block_floats(), block_floats() if format == "q4_1" else None)
+    return QuantizedWeight(format, values, block_floats(), block_floats() if format in ("q4_1", "q5_1") else None)
 
 
 def quant(kernels: QuantGemm, rows: int, format: str, panels: bool) -> None:

@@ -1,5 +1,5 @@
-// Quantized weights used as they are stored: y = x @ W^T for W in a GGUF block format (Q8_0, Q4_0, Q4_1:
-// 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1; Q4_K: super-blocks of 8 such blocks whose
+// Quantized weights used as they are stored: y = x @ W^T for W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1: 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1 and Q5_1; Q4_K: super-blocks of 8 such blocks whose
 // scales and mins are 6-bit multiples of the super-block's fp16 d and dmin; Q6_K: 6-bit values, an 8-bit scale per
 // 16 weights, times the super-block's d) or int8 with one float scale per output row ("int8"), dequantized in
 // registers, never in memory.
@@ -12,6 +12,7 @@
 //   Q8_0: dw * dx * dot(w, x)             (w signed: |w| times x carrying w's sign)
 //   Q4_0: dw * (dx * dot(q, x) - 8 s)      (w = dw (q - 8), q the unsigned nibble)
 //   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw; Q4_K alike with dw = d sc, mw = -dmin m)
+//   Q5_0: dw * (dx * dot(q, x) - 16 s)     (w = dw (q - 16), q the nibble with its fifth bit; Q5_1 as Q4_1)
 //   Q6_K: d * dx * (sc0 * dot0(v, x) + sc1 * dot1(v, x)) - dmin * m * s   (the block's halves of 16, each with its sc)
 //   int8: row_scale * sum over blocks of dx * dot(w, x)
 // Decode batches are a few rows, so the GEMV is made to run at the speed of reading the weight once per step:
@@ -39,10 +40,42 @@
 // Q6_K: GGUF's, its values unpacked at load to int8 v = q - 32 in order (as Q8_0's), w = d sc v - dmin m with an
 // int8 sc per 16 weights and a uint8 m per 32 (0 in Q6_K's own rows; Q4_K rows fused with Q6_K ones take this
 // form): per super-block, scales holds its 16 sc then 8 m (24 bytes), mins its d and dmin (fp16).
-enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5, Q6_K = 6 };
+// Q5_0, Q5_1: GGUF's, each row its low 4 bits as Q4_0's nibbles, then their fifth bits as two 32-bit masks per pair
+// of blocks (the low nibbles' weights of both blocks, then the high nibbles'; ember/kernels/quantized_weight.py).
+enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8 };
 
 // The formats of 4-bit values two per byte, in Q4_0's order within a block of 32.
 static inline int nibble_format(int format) { return format == Q4_0 || format == Q4_1 || format == Q4_K; }
+
+// The formats of 5-bit values: Q4_0's nibbles, then the fifth bits.
+static inline int five_bit_format(int format) { return format == Q5_0 || format == Q5_1; }
+
+// Either: the GEMV unpacks both alike (and pairs their activations' blocks).
+static inline int packed_nibbles(int format) { return nibble_format(format) || five_bit_format(format); }
+
+// The formats with an fp16 min per block of 32.
+static inline int block_min_format(int format) { return format == Q4_1 || format == Q5_1; }
+
+// Bytes of one weight row of k values (blocks of 32) as stored.
+static inline int64_t weight_row_bytes(int format, int64_t k) {
+    const int64_t blocks = k / BLOCK;
+    if (five_bit_format(format)) return blocks * BLOCK / 2 + (blocks + 1) / 2 * 8;
+    return nibble_format(format) ? k / 2 : k;
+}
+
+// A 32-bit mask of fifth bits as 32 bytes: byte i is 16 where bit i is set, else 0.
+static inline __m256i fifth_bits(uint32_t mask) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(_cvtu32_mask32(mask), _mm256_set1_epi8(16));
+#else
+    // Byte i takes mask byte i / 8, then its bit i % 8.
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -54,8 +87,8 @@ static inline void q4_k_scales(const uint8_t *block_values, const uint16_t *d_dm
     *mins = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d_dmin[1])), m), _mm256_set1_ps(-0.0f));
 }
 
-// Block b of weight row n (of `blocks`) as w = scale q + min, in float32: Q8_0/Q4_0 (min 0; Q4_0's q offset by 8
-// apart), Q4_1, Q4_K (d sc and -(dmin m), as q4_k_scales).
+// Block b of weight row n (of `blocks`) as w = scale q + min, in float32: Q8_0/Q4_0/Q5_0 (min 0; the offset of
+// Q4_0's and Q5_0's q apart), Q4_1, Q5_1, Q4_K (d sc and -(dmin m), as q4_k_scales).
 static inline void block_scale_min(int format, const void *scales, const void *mins, int64_t n, int64_t blocks,
                                    int64_t b, float *scale, float *min) {
     if (format == Q4_K) {
@@ -67,7 +100,7 @@ static inline void block_scale_min(int format, const void *scales, const void *m
         return;
     }
     *scale = half_to_float(((const uint16_t *)scales)[n * blocks + b]);
-    *min = format == Q4_1 ? half_to_float(((const uint16_t *)mins)[n * blocks + b]) : 0.0f;
+    *min = block_min_format(format) ? half_to_float(((const uint16_t *)mins)[n * blocks + b]) : 0.0f;
 }
 
 // Q6_K: the scale d sc of weight row n's 16 weights `half` (of k / 16), in float32 (as ggml's dequantizer).
@@ -99,7 +132,7 @@ static inline uint16_t float_to_bfloat16(float value) {  // round to nearest eve
 
 // Quantized activations of `rows` rows, laid out for the GEMV below: per row, q holds
 // activation_blocks(k) * BLOCK int8 values, d and s activation_blocks(k) block scales and sums; the blocks
-// past k / BLOCK are zeros, so that the GEMV reads whole groups of GROUP blocks. With `paired` (Q4_0, Q4_1, Q4_K),
+// past k / BLOCK are zeros, so that the GEMV reads whole groups of GROUP blocks. With `paired` (packed_nibbles),
 // each pair of blocks (2j, 2j + 1) is stored as the low halves of both, then the high halves of both: the order
 // in which one 32-byte load of the pair's packed nibbles yields them (low nibbles, then high nibbles).
 
@@ -193,10 +226,10 @@ typedef struct {
     __m256i half_scales[2];  // Q6_K: the sc of blocks 0-3's first halves then of their second halves; 4-7's
 } weight_group;
 
-static inline __attribute__((always_inline)) void load_group(int format, const void *values, const void *row_scales,
-                                                             const void *row_mins, int64_t b, int count,
-                                                             weight_group *g) {
-    if (nibble_format(format)) {
+static inline __attribute__((always_inline)) void load_group(int format, const void *values, const uint8_t *masks,
+                                                             const void *row_scales, const void *row_mins, int64_t b,
+                                                             int count, weight_group *g) {
+    if (packed_nibbles(format)) {
         const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < GROUP / 2; j++) {
             const uint8_t *pair = (const uint8_t *)values + j * BLOCK;
@@ -206,6 +239,12 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
                                                    : _mm256_setzero_si256();
             g->u[2 * j] = _mm256_and_si256(packed, low_nibbles);
             g->u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+            if (five_bit_format(format) && 2 * j < count) {  // masks: the group's pairs' (zeros past a lone block)
+                uint32_t pair_masks[2];
+                memcpy(pair_masks, masks + 8 * j, sizeof pair_masks);
+                g->u[2 * j] = _mm256_or_si256(g->u[2 * j], fifth_bits(pair_masks[0]));
+                g->u[2 * j + 1] = _mm256_or_si256(g->u[2 * j + 1], fifth_bits(pair_masks[1]));
+            }
         }
     } else {
         for (int b = 0; b < GROUP; b++) {
@@ -239,19 +278,19 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
     uint16_t tail[2][GROUP] = {{0}};  // a partial group's scales and mins, zero past `count`
     if (count < GROUP) {
         memcpy(tail[0], scales, sizeof(uint16_t) * (size_t)count);
-        if (format == Q4_1) memcpy(tail[1], mins, sizeof(uint16_t) * (size_t)count);
+        if (block_min_format(format)) memcpy(tail[1], mins, sizeof(uint16_t) * (size_t)count);
         scales = tail[0];
         mins = tail[1];
     }
     g->scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));  // one vcvtph2ps per 8 blocks
-    if (format == Q4_1) g->mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
+    if (block_min_format(format)) g->mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
 }
 
 // The group's 8 integer block dot products with one activation row's group (xq: its GROUP * BLOCK bytes),
 // block b in lane b. The per-block int32 partial sums are reduced together, once per group.
 static inline __attribute__((always_inline)) __m256i group_dots(int format, const weight_group *g,
                                                                  const int8_t *xq) {
-    if (nibble_format(format)) {
+    if (packed_nibbles(format)) {
         __m256i pair[GROUP / 2];  // lanes 0-3: block 2j's partial sums, lanes 4-7: block 2j + 1's
         for (int j = 0; j < GROUP / 2; j++) {
             const __m256i low = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK));
@@ -278,35 +317,40 @@ static inline __attribute__((always_inline)) __m256i group_dots(int format, cons
 }
 
 // acc += the group's float terms for one activation row (xd, xs: its GROUP block scales and sums):
-//   Q8_0: dw dx dot, Q4_0: dw (dx dot - 8 s), Q4_1: dw dx dot + mw s, int8: dx dot (its dw: 1, or 0 in a lane
-// masked off).
+//   Q8_0: dw dx dot, Q4_0: dw (dx dot - 8 s), Q5_0: dw (dx dot - 16 s), Q4_1/Q5_1: dw dx dot + mw s, int8: dx dot
+// (its dw: 1, or 0 in a lane masked off).
 static inline __attribute__((always_inline)) __m256 group_terms(int format, const weight_group *g, __m256i dots,
                                                                 const float *xd, const float *xs, __m256 acc) {
     const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(xd));
-    if (format == Q4_0)
-        return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(xs), scaled), acc);
+    if (format == Q4_0 || format == Q5_0)
+        return _mm256_fmadd_ps(g->scales,
+                               _mm256_fnmadd_ps(_mm256_set1_ps(format == Q4_0 ? 8.0f : 16.0f), _mm256_loadu_ps(xs), scaled),
+                               acc);
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
-    if (format == Q4_1 || format == Q4_K || format == Q6_K) acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
+    if (block_min_format(format) || format == Q4_K || format == Q6_K)
+        acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
     return acc;
 }
 
-// acc[r] += the terms of the `count` blocks from block b of one weight row (row_bytes bytes of values from
-// `values`) for activation rows r < tile; prefetches the same bytes PREFETCH_ROWS weight rows ahead.
+// acc[r] += the terms of the `count` blocks from block b of one weight row (row_bytes bytes from `values`; a five-bit
+// row's masks from `masks`) for activation rows r < tile; prefetches the same bytes PREFETCH_ROWS weight rows ahead.
 #define PREFETCH_ROWS 4
 
 // `keep`: all ones in the lanes (blocks) to count, zeros in those counted already (their scales and mins are
 // zeroed).
 static inline __attribute__((always_inline)) void group_step(
-        int format, int tile, const char *values, const void *row_scales, const void *row_mins, int64_t b,
-        int count, __m256 keep, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
-    const int64_t block_bytes = nibble_format(format) ? BLOCK / 2 : BLOCK;
+        int format, int tile, const char *values, const uint8_t *masks, const void *row_scales, const void *row_mins,
+        int64_t b, int count, __m256 keep, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
+    const int64_t block_bytes = packed_nibbles(format) ? BLOCK / 2 : BLOCK;
     const char *group_values = values + b * block_bytes;
+    const uint8_t *group_masks = five_bit_format(format) ? masks + b / 2 * 8 : NULL;
     for (int64_t line = 0; line < GROUP * block_bytes; line += 64)
         _mm_prefetch(group_values + PREFETCH_ROWS * row_bytes + line, _MM_HINT_T0);
+    if (group_masks) _mm_prefetch((const char *)group_masks + PREFETCH_ROWS * row_bytes, _MM_HINT_T0);
     weight_group g;
-    load_group(format, group_values, row_scales, row_mins, b, count, &g);
+    load_group(format, group_values, group_masks, row_scales, row_mins, b, count, &g);
     g.scales = _mm256_and_ps(keep, g.scales);
-    if (format == Q4_1 || format == Q4_K) g.mins = _mm256_and_ps(keep, g.mins);
+    if (block_min_format(format) || format == Q4_K) g.mins = _mm256_and_ps(keep, g.mins);
     for (int r = 0; r < tile; r++)
         acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
                              a.s + r * stride + b, acc[r]);
@@ -319,16 +363,16 @@ static inline __attribute__((always_inline)) void group_step(
 static inline __attribute__((always_inline)) void weight_row_dot(
         int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n, int64_t k,
         quantized_activations a, const void *bias, int out_bf16, void *out, int64_t n_out) {
-    const int64_t blocks = k / BLOCK, stride = activation_blocks(k);
-    const int64_t block_bytes = nibble_format(format) ? BLOCK / 2 : BLOCK;
-    const char *values = (const char *)qs + n * blocks * block_bytes;
-    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1) or per super-block (Q4_K: 16 bytes of sc and m, Q6_K:
-    // 24; both: fp16 d and dmin).
+    const int64_t blocks = k / BLOCK, stride = activation_blocks(k), row_bytes = weight_row_bytes(format, k);
+    const char *values = (const char *)qs + n * row_bytes;
+    const uint8_t *masks = (const uint8_t *)values + blocks * BLOCK / 2;  // five-bit rows' (past the nibbles)
+    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or per super-block (Q4_K: 16 bytes of sc
+    // and m, Q6_K: 24; both: fp16 d and dmin).
     const void *row_scales = format == INT8 ? 0
                              : format == Q4_K ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
                              : format == Q6_K ? (const void *)((const int8_t *)scales + n * blocks / GROUP * 24)
                                               : (const void *)((const uint16_t *)scales + n * blocks);
-    const void *row_mins = format == Q4_1                   ? (const void *)((const uint16_t *)mins + n * blocks)
+    const void *row_mins = block_min_format(format)          ? (const void *)((const uint16_t *)mins + n * blocks)
                            : format == Q4_K || format == Q6_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2)
                                                               : 0;
     __m256 acc[ROW_TILE];
@@ -343,12 +387,11 @@ static inline __attribute__((always_inline)) void weight_row_dot(
         const int64_t start = b + GROUP <= blocks ? b : blocks - GROUP;
         const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                                    _mm256_set1_epi32((int)(b - start) - 1)));
-        group_step(format, tile, values, row_scales, row_mins, start, GROUP, keep, blocks * block_bytes, a, stride,
-                   acc);
+        group_step(format, tile, values, masks, row_scales, row_mins, start, GROUP, keep, row_bytes, a, stride, acc);
     }
     if (whole < blocks)
-        group_step(format, tile, values, row_scales, row_mins, whole, (int)(blocks - whole),
-                   _mm256_castsi256_ps(_mm256_set1_epi32(-1)), blocks * block_bytes, a, stride, acc);
+        group_step(format, tile, values, masks, row_scales, row_mins, whole, (int)(blocks - whole),
+                   _mm256_castsi256_ps(_mm256_set1_epi32(-1)), row_bytes, a, stride, acc);
     const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
     const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bfloat16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
     for (int r = 0; r < tile; r++) {
@@ -388,13 +431,15 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
             case Q4_1: TILE_CASES(Q4_1) break;
             case Q4_K: TILE_CASES(Q4_K) break;
             case Q6_K: TILE_CASES(Q6_K) break;
+            case Q5_0: TILE_CASES(Q5_0) break;
+            case Q5_1: TILE_CASES(Q5_1) break;
             default: TILE_CASES(INT8) break;
             }
         }
     }
 }
 
-static inline int quant_gemm_pairs(int format) { return nibble_format(format); }
+static inline int quant_gemm_pairs(int format) { return packed_nibbles(format); }
 
 // A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
 // the scratch its activations are quantized into: room for `scratch_rows` rows of activation_blocks(k) blocks.
@@ -438,9 +483,9 @@ void quant_linear_init(quant_linear *w, int format, const void *qs, const void *
     w->xs = w->xd + values;
 }
 
-// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k] or
-// nibbles [n_out, k / 2]), scales (fp16 [n_out, k / 32], or float32 [n_out] for int8), mins (fp16
-// [n_out, k / 32], Q4_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
+// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k], nibbles
+// [n_out, k / 2], or rows of weight_row_bytes for the others), scales (fp16 [n_out, k / 32], or float32 [n_out] for
+// int8), mins (fp16 [n_out, k / 32], Q4_1 and Q5_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
 // x_bf16.
 void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
                 const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
@@ -491,7 +536,22 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
                 for (int i = 0; i < BLOCK; i++) store_value(out, out_bf16, first + i, d * (float)q[i]);
                 continue;
             }
-            const uint8_t *q = (const uint8_t *)qs + n * (k / 2) + b * (BLOCK / 2);
+            const uint8_t *row = (const uint8_t *)qs + n * weight_row_bytes(format, k);
+            const uint8_t *q = row + b * (BLOCK / 2);
+            if (five_bit_format(format)) {
+                uint32_t masks[2];  // the block's pair's: the low nibbles' weights, then the high ones'
+                memcpy(masks, row + blocks * (BLOCK / 2) + b / 2 * 8, sizeof masks);
+                const int shift = (int)(b % 2) * 16;
+                for (int i = 0; i < BLOCK / 2; i++) {
+                    const int low = (q[i] & 0x0F) | (int)((masks[0] >> (shift + i)) & 1) << 4;
+                    const int high = (q[i] >> 4) | (int)((masks[1] >> (shift + i)) & 1) << 4;
+                    // multiply, then add: the panels' arithmetic
+                    store_value(out, out_bf16, first + i, format == Q5_0 ? d * (float)(low - 16) : d * (float)low + m);
+                    store_value(out, out_bf16, first + i + BLOCK / 2,
+                                format == Q5_0 ? d * (float)(high - 16) : d * (float)high + m);
+                }
+                continue;
+            }
             if (format == Q4_0) {
                 for (int i = 0; i < BLOCK / 2; i++) {
                     store_value(out, out_bf16, first + i, d * (float)((q[i] & 0x0F) - 8));

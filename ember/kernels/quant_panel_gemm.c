@@ -145,16 +145,35 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
     }
 }
 
+// The same for Q5_0/Q5_1: block b of 16 rows (row i at row + i * row_bytes, `blocks` blocks each) unpacked to
+// int8 q (- 16 for Q5_0) in k order, then int8_lines' arithmetic with the rows' scales (and Q5_1's mins).
+static inline void q5_lines(int format, const uint8_t *row, int64_t blocks, int64_t b, int64_t row_bytes,
+                            const float *scales, const float *mins, uint16_t *lines) {
+    int8_t q[16][BLOCK] __attribute__((aligned(64)));
+    const __m256i offset = _mm256_set1_epi8(format == Q5_0 ? 16 : 0);
+    for (int i = 0; i < 16; i++) {
+        const uint8_t *r = row + i * row_bytes;
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(r + b * (BLOCK / 2)));
+        const __m256i nibbles = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));  // weights 0-15, 16-31
+        uint32_t masks[2];  // the block's pair's: the low nibbles' weights, then the high ones'
+        memcpy(masks, r + blocks * (BLOCK / 2) + b / 2 * 8, sizeof masks);
+        const int shift = (int)(b % 2) * 16;
+        const uint32_t bits = ((masks[0] >> shift) & 0xFFFF) | ((masks[1] >> shift) & 0xFFFF) << 16;
+        _mm256_store_si256((__m256i *)q[i], _mm256_sub_epi8(_mm256_or_si256(nibbles, fifth_bits(bits)), offset));
+    }
+    int8_lines(&q[0][0], BLOCK, scales, scales, format == Q5_1 ? mins : NULL, lines);
+}
+
 // Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales`,
-// `mins` (Q4_1, Q4_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
+// `mins` (Q4_1, Q5_1, Q4_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
 // block scales as float32, [k / 32][PANEL]. The next panel's values
 // (contiguous: rows follow each other) are requested into L2 along the way, a part per block, so that the
 // loads of 16 or 32 rows' interleaved streams find them there.
 static void dequantize_panel(int format, const void *qs, const void *scale_values, const uint16_t *min_values,
                              int64_t first, int64_t n, int64_t k, uint16_t *panel, float *scales, float *mins,
                              float *second_scales) {
-    const int64_t blocks = k / BLOCK;
-    const int64_t row_bytes = nibble_format(format) ? k / 2 : k;
+    const int64_t blocks = k / BLOCK, row_bytes = weight_row_bytes(format, k);
     for (int64_t o = 0; o < PANEL; o++) {
         if (format == INT8) {
             for (int64_t b = 0; b < blocks; b++) scales[b * PANEL + o] = ((const float *)scale_values)[first + o];
@@ -175,7 +194,7 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
             continue;
         }
         const uint16_t *row_scales = (const uint16_t *)scale_values + (first + o) * blocks;
-        const uint16_t *row_mins = format == Q4_1 ? min_values + (first + o) * blocks : NULL;
+        const uint16_t *row_mins = block_min_format(format) ? min_values + (first + o) * blocks : NULL;
         for (int64_t b = 0; b < blocks; b += 16) {
             const __mmask16 valid = blocks - b >= 16 ? 0xFFFF : (__mmask16)((1u << (blocks - b)) - 1);
             const __m512i positions = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -199,6 +218,9 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
             const float *block_scales = scales + b * PANEL + half * 16;
             if (nibble_format(format))
                 q4_lines(format, (const uint8_t *)qs + row * row_bytes + b * (BLOCK / 2), row_bytes, block_scales,
+                         mins + b * PANEL + half * 16, lines);
+            else if (five_bit_format(format))
+                q5_lines(format, (const uint8_t *)qs + row * row_bytes, blocks, b, row_bytes, block_scales,
                          mins + b * PANEL + half * 16, lines);
             else
                 int8_lines((const int8_t *)qs + row * row_bytes + b * BLOCK, row_bytes, block_scales,

@@ -16,9 +16,14 @@ Formats (QUANT_FORMATS):
   its fp16 d and dmin (0 for Q6_K): 8.8 bits per weight, the file's 6.56. Q4_K rows fused with Q6_K ones in one
   projection (llama.cpp's Q4_K_M files keep attn_v in Q6_K beside Q4_K attn_q and attn_k) take this form too
   (v = q, each sc twice), so the projection stays one quantized weight.
-- GGUF's Q5_0 (per block of 32: fp16 d, 5-bit q, w = d (q - 16)) loads as "q8_0" with values q - 16: the same
-  weights at 8.5 bits instead of 5.5, run by Q8_0's kernels (llama.cpp's own Q4_K_M of a model whose rows are not
-  whole super-blocks of 256, SmolLM2's, is mostly Q5_0).
+- "q5_0", "q5_1": GGUF's Q5_0 and Q5_1 (per block of 32: fp16 d, and fp16 m for Q5_1, 5-bit q; w = d (q - 16),
+  w = d q + m). A row holds the low 4 bits as Q4_0's nibbles (k / 2 bytes, the file's order), then their fifth
+  bits, 8 bytes per pair of blocks (2j, 2j + 1): a 32-bit mask for the weights the pair's low nibbles hold (bit i:
+  block 2j's weight i, bit 16 + i: block 2j + 1's weight i, i < 16), then one for its high nibbles' (weights
+  16 + i), little-endian; a lone last block's pair has zeros for its second block. So the kernel unpacks one pair
+  as Q4's and sets the fifth bits from two masks: the file's 5.5 bits per weight (6 for Q5_1, with its m).
+  llama.cpp's own Q4_K_M and Q5_K_M of a model whose rows are not whole super-blocks of 256 (SmolLM2's) are
+  mostly Q5_0 and Q5_1.
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
 - "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
@@ -39,8 +44,9 @@ import torch
 
 BLOCK = 32
 SUPER_BLOCK = 256  # the K-quants' (Q4_K, Q6_K): 8 blocks of 32
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int8_panels")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "int8", "int8_panels")
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
+FIVE_BIT_FORMATS = ("q5_0", "q5_1")  # Q4_0's nibbles, then the fifth bits
 SUPER_BLOCK_FORMATS = ("q4_k", "q6_k")  # their rows are whole super-blocks
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
@@ -48,7 +54,8 @@ GGUF_BLOCK_FORMATS = {
     "Q8_0": ("q8_0", 2 + BLOCK),
     "Q4_0": ("q4_0", 2 + BLOCK // 2),
     "Q4_1": ("q4_1", 4 + BLOCK // 2),
-    "Q5_0": ("q8_0", 2 + 4 + BLOCK // 2),  # fp16 d, 32 high bits, 16 bytes of low nibbles: loaded as Q8_0
+    "Q5_0": ("q5_0", 2 + 4 + BLOCK // 2),  # fp16 d, 32 fifth bits, 16 bytes of low nibbles
+    "Q5_1": ("q5_1", 4 + 4 + BLOCK // 2),  # fp16 d and m, then as Q5_0
     "Q4_K": ("q4_k", 4 + 12 + SUPER_BLOCK // 2),  # per super-block: d, dmin, 12 bytes of 6-bit sc/m, nibbles
     "Q6_K": ("q6_k", SUPER_BLOCK // 2 + SUPER_BLOCK // 4 + SUPER_BLOCK // 16 + 2),  # low 4 bits, high 2, sc, d
 }
@@ -57,16 +64,20 @@ GGUF_BLOCK_FORMATS = {
 @dataclass(frozen=True)
 class QuantizedWeight:
     format: str
-    # int8 [N, K] (q8_0, q6_k, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1, q4_k) or panels (int8_panels)
+    # int8 [N, K] (q8_0, q6_k, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1, q4_k), uint8 [N, K / 2 + 8 pairs]
+    # (q5_0, q5_1) or panels (int8_panels)
     values: torch.Tensor
     # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k and
     # [N, K / 256 * 24] for q6_k
     scales: torch.Tensor
-    mins: torch.Tensor | None = None  # float16: [N, K / 32] for q4_1, [N, K / 256 * 2] (d, dmin) for q4_k and q6_k
+    # float16: [N, K / 32] for q4_1 and q5_1, [N, K / 256 * 2] (d, dmin) for q4_k and q6_k
+    mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         n, width = self.values.shape
+        if self.format in FIVE_BIT_FORMATS:  # 16 bytes a block and 8 a pair: 20 a block, 4 more for a lone one
+            return torch.Size((n, width // 20 * BLOCK))
         return torch.Size((n, width * 2 if self.format in NIBBLE_FORMATS else width))
 
     @property
@@ -101,18 +112,30 @@ class QuantizedWeight:
             scales, mins = self.block_scales_and_mins()
             halves = scales.view(n, -1, 2, 1) * self.values.view(n, -1, 2, 16).float()
             return (halves.view(n, -1, BLOCK) + mins[:, :, None]).view(n, k)
-        packed = self.values.view(n, -1, BLOCK // 2)
-        nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
-        if self.format == "q4_0":
-            return (self.scales.float()[:, :, None] * (nibbles - 8)).view(n, k)
+        q = self.block_values().float()
+        if self.format in ("q4_0", "q5_0"):
+            return (self.scales.float()[:, :, None] * (q - (8 if self.format == "q4_0" else 16))).view(n, k)
         scales, mins = self.block_scales_and_mins()
-        return (scales[:, :, None] * nibbles + mins[:, :, None]).view(n, k)
+        return (scales[:, :, None] * q + mins[:, :, None]).view(n, k)
+
+    def block_values(self) -> torch.Tensor:
+        """The nibble and five-bit formats' unsigned values q, int16 [N, K / 32, 32] in order along each block."""
+        n, k = self.shape
+        blocks = k // BLOCK
+        packed = self.values[:, : blocks * BLOCK // 2].reshape(n, blocks, BLOCK // 2).to(torch.int16)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2)
+        if self.format not in FIVE_BIT_FORMATS:
+            return q
+        masks = self.values[:, blocks * BLOCK // 2 :].reshape(n, -1, 2, 4).to(torch.int64)  # [pair, low/high, byte]
+        bits = (masks[..., None] >> torch.arange(8)) & 1  # [pair, low/high, byte, bit]
+        bits = bits.reshape(n, -1, 2, 2, 16).permute(0, 1, 3, 2, 4)  # [pair, block of the pair, low/high, i]
+        return q | (bits.reshape(n, -1, BLOCK)[:, :blocks] << 4).to(torch.int16)
 
     def block_scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4_1, q4_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
+        """q4_1, q5_1, q4_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
         scales per 16 weights, [N, K / 16]); for q4_k and q6_k d sc and -(dmin m), each product in float32 as
         llama.cpp's dequantizers compute it."""
-        if self.format == "q4_1":
+        if self.format in ("q4_1", "q5_1"):
             return self.scales.float(), self.mins.float()
         n = self.values.shape[0]
         if self.format == "q6_k":
@@ -134,8 +157,8 @@ class QuantizedWeight:
             return cls._from_q4_k_blocks(blocks)
         if format == "q6_k":
             return cls._from_q6_k_blocks(blocks)
-        if block_type == "Q5_0":
-            return cls._from_q5_0_blocks(blocks)
+        if format in FIVE_BIT_FORMATS:
+            return cls._from_five_bit_blocks(format, blocks)
         scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0])
         mins = None
         if format == "q4_1":
@@ -185,17 +208,29 @@ class QuantizedWeight:
                    torch.from_numpy(d_dmin.reshape(rows, -1)))
 
     @classmethod
-    def _from_q5_0_blocks(cls, blocks: np.ndarray) -> QuantizedWeight:
-        """Q5_0 blocks [rows, blocks, 22] (ggml's block_q5_0: fp16 d, uint32 qh, qs[16]) as "q8_0" with values
-        q - 16 (q: weight i's low 4 bits in byte i % 16 of qs, low nibble for i < 16, its fifth bit bit i of qh)."""
-        rows = blocks.shape[0]
+    def _from_five_bit_blocks(cls, format: str, blocks: np.ndarray) -> QuantizedWeight:
+        """Q5_0 or Q5_1 blocks [rows, blocks, 22 or 24] (ggml's block_q5_0: fp16 d, uint32 qh, qs[16]; block_q5_1:
+        fp16 d and m, then the same; weight i's low 4 bits in byte i % 16 of qs, the low nibble for i < 16, its
+        fifth bit bit i of qh) as "q5_0" or "q5_1" (see the module docstring)."""
+        rows, count = blocks.shape[:2]
+        at = 2 if format == "q5_0" else 4  # qh's offset
         d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0]
-        high_bits = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # [rows, blocks, 1]
-        qs = blocks[:, :, 6:22]
-        low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int16)  # [rows, blocks, 32]
-        fifth = (high_bits >> np.arange(BLOCK, dtype=np.uint32)) & 1
-        values = (low | (fifth.astype(np.int16) << 4)) - 16
-        return cls("q8_0", torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d.copy()))
+        m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0] if format == "q5_1" else None
+        qh = np.ascontiguousarray(blocks[:, :, at : at + 4]).view(np.uint32)[:, :, 0].astype(np.uint64)
+        if count % 2:  # a lone last block: its pair's second block has no fifth bits
+            qh = np.concatenate([qh, np.zeros((rows, 1), np.uint64)], axis=1)
+        first, second = qh[:, 0::2], qh[:, 1::2]
+        low = (first & 0xFFFF) | ((second & 0xFFFF) << 16)  # the pair's low nibbles' weights (0-15 of each block)
+        high = (first >> 16) | (second & 0xFFFF0000)  # its high nibbles' (16-31)
+        masks = np.stack([low, high], axis=2).astype("<u4").view(np.uint8).reshape(rows, -1)
+        nibbles = blocks[:, :, at + 4 :].reshape(rows, -1)
+        values = torch.from_numpy(np.ascontiguousarray(np.concatenate([nibbles, masks], axis=1)))
+        return cls(format, values, torch.from_numpy(d.copy()), None if m is None else torch.from_numpy(m.copy()))
+
+    def as_q8_0(self) -> QuantizedWeight:
+        """A q5_0 weight as q8_0, the same values (q - 16): for a projection fused with Q8_0 rows."""
+        n, k = self.shape
+        return QuantizedWeight("q8_0", (self.block_values() - 16).to(torch.int8).view(n, k), self.scales)
 
     def as_q6_k(self) -> QuantizedWeight:
         """A q4_k weight in q6_k's form, the same values (see the module docstring)."""
@@ -235,6 +270,9 @@ def cat_rows(
     if formats == {"q4_k", "q6_k"}:  # Q4_K_M's q, k and v: one q6_k weight
         weights = [w.as_q6_k() if w.format == "q4_k" else w for w in weights]
         formats = {"q6_k"}
+    if formats == {"q5_0", "q8_0"}:  # a Q4_K_M file's q and k in Q5_0, v in Q8_0 (for Q6_K): one q8_0 weight
+        weights = [w.as_q8_0() if w.format == "q5_0" else w for w in weights]
+        formats = {"q8_0"}
     if len(formats) == 1 and None not in formats:
         first = weights[0]
         arrays = [f.name for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)]

@@ -20,9 +20,9 @@ from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, c
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 # "q4_k+q6_k": Q4_K rows fused with Q6_K ones (a Q4_K_M file's q, k and v), one q6_k weight with mins
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k+q6_k", "int8")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "q4_k+q6_k", "int8")
 N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then one ending at block 18 (6 masked)
-ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles)
+ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles and Q5 masks)
 K_QUANT_WIDTHS = {K: 512, ODD_K: 768}  # q4_k and q6_k rows are whole super-blocks of 256 (one GEMV group each)
 # GGUF block type, bytes per super-block and the offset of its fp16 scales (d, and dmin for Q4_K)
 K_QUANTS = {"q4_k": ("Q4_K", 144, 0, 2), "q6_k": ("Q6_K", 210, 208, 1)}
@@ -91,17 +91,17 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
     if weight.format in ("q8_0", "int8"):
         q = weight.values.view(n, -1, BLOCK).double()
     else:
-        packed = weight.values.view(n, -1, BLOCK // 2)
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).double()
+        q = weight.block_values().double()
     dots = torch.einsum("rbi,nbi->rnb", xq.double(), q)  # exact: small integers
     if weight.format == "int8":
         terms = dots * d[:, None, :] * weight.scales.double()[None, :, None]
     else:
-        scales, mins = weight.block_scales_and_mins() if weight.format in ("q4_1", "q4_k") else (weight.scales, None)
+        with_mins = weight.format in ("q4_1", "q5_1", "q4_k")
+        scales, mins = weight.block_scales_and_mins() if with_mins else (weight.scales, None)
         dw = scales.double()[None]
         terms = dw * d[:, None, :] * dots
-        if weight.format == "q4_0":
-            terms = terms - 8 * dw * xs[:, None, :]
+        if weight.format in ("q4_0", "q5_0"):
+            terms = terms - (8 if weight.format == "q4_0" else 16) * dw * xs[:, None, :]
         if mins is not None:
             terms = terms + mins.double()[None] * xs[:, None, :]
     return terms.sum(dim=2), 1e-5 * terms.abs().sum(dim=2)

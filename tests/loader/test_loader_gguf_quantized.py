@@ -1,4 +1,4 @@
-"""quantization="gguf": a GGUF file's Q8_0/Q4_0/Q4_1 Linear weights come out in their blocks (rows in Hugging
+"""quantization="gguf": a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K Linear weights come out in their blocks (rows in Hugging
 Face order, a tied output layer from the embedding's blocks), everything else dequantized as without it; and
 a tiny model with a mix of block and float types in one fused projection runs through the engine."""
 
@@ -14,6 +14,7 @@ from ember import LLM, SamplingParams
 from ember.errors import ModelLoadError
 from ember.kernels.build import compiler
 from ember.kernels.cpu import cpu_isa_level, level_at_least
+from ember.kernels.quantized_weight import cat_rows
 from ember.loader import load_model
 
 
@@ -48,19 +49,40 @@ def test_block_types_stay_quantized_and_dequantize_to_the_files_values(gguf_writ
     assert any(".q_proj." in name or ".k_proj." in name for name in formats)
 
 
-def test_q5_0_blocks_load_as_q8_0_with_the_files_values(gguf_writer) -> None:
-    """Q5_0 (llama.cpp's Q4_K_M falls back to it for rows that are not whole super-blocks) runs as Q8_0: its 5-bit
-    values less 16 under the same fp16 scales, the file's weights exactly."""
-    linears = ("attn_q", "attn_k", "attn_v", "ffn_up")
-    tiny = gguf_writer(qtype_overrides={f"blk.{i}.{linear}.weight": GGMLQuantizationType.Q5_0
-                                        for i in range(2) for linear in linears})
+FIVE_BIT = {"attn_q": GGMLQuantizationType.Q5_0, "attn_k": GGMLQuantizationType.Q5_0,
+            "attn_v": GGMLQuantizationType.Q5_0, "ffn_up": GGMLQuantizationType.Q5_1,
+            "ffn_gate": GGMLQuantizationType.Q5_1}
+
+
+def test_five_bit_blocks_stay_quantized_with_the_files_values(gguf_writer) -> None:
+    """Q5_0 and Q5_1 (llama.cpp's Q4_K_M and Q5_K_M fall back to them for rows that are not whole super-blocks)
+    stay in their 5-bit form, which dequantizes to the file's weights exactly; q, k and v of Q5_0 fuse into one
+    q5_0 weight, gate and up into one q5_1."""
+    tiny = gguf_writer(qtype_overrides={f"blk.{i}.{linear}.weight": qtype
+                                        for i in range(2) for linear, qtype in FIVE_BIT.items()})
     loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
-    names = [f"model.layers.{i}.{part}.{p}_proj.weight" for i in range(2)
-             for part, p in (("self_attn", "q"), ("self_attn", "k"), ("self_attn", "v"), ("mlp", "up"))]
-    for name in names:
-        weight = loaded.state_dict.quantized(name)
-        assert weight is not None and weight.format == "q8_0", name
-        assert torch.equal(weight.dequantize(), tiny.expected[name]), name
+    for i in range(2):
+        for part, p, format in (("self_attn", "q", "q5_0"), ("self_attn", "k", "q5_0"), ("self_attn", "v", "q5_0"),
+                                ("mlp", "up", "q5_1"), ("mlp", "gate", "q5_1")):
+            name = f"model.layers.{i}.{part}.{p}_proj.weight"
+            weight = loaded.state_dict.quantized(name)
+            assert weight is not None and weight.format == format, name
+            assert torch.equal(weight.dequantize(), tiny.expected[name]), name
+
+
+def test_q5_0_rows_fused_with_q8_0_rows_take_q8_0s_form(gguf_writer) -> None:
+    """A Q4_K_M file's q and k in Q5_0 beside a v in Q8_0 (its fallback for Q6_K): the fused projection is one q8_0
+    weight holding the same values (q - 16), not a dequantized one."""
+    tiny = gguf_writer(qtype_overrides={"blk.0.attn_q.weight": GGMLQuantizationType.Q5_0,
+                                        "blk.0.attn_k.weight": GGMLQuantizationType.Q5_0,
+                                        "blk.0.attn_v.weight": GGMLQuantizationType.Q8_0})
+    loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    parts = [loaded.state_dict.quantized(name) for name in names]
+    assert [part.format for part in parts] == ["q5_0", "q5_0", "q8_0"]
+    fused = cat_rows(parts, torch.float32)
+    assert fused.format == "q8_0"
+    assert torch.equal(fused.dequantize(), torch.cat([tiny.expected[name] for name in names]))
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir) -> None:
@@ -122,3 +144,18 @@ def test_k_quant_blocks_stay_quantized_and_run_in_the_engine(gguf_writer) -> Non
             assert torch.equal(loaded.state_dict.quantized(name).dequantize(), tiny.expected[name]), name
     gemm = gguf_scores_the_prompt_as_none(tiny.path)
     assert gemm.startswith("native_quant_") and "q4_k+q6_k" in gemm and "float Linear" not in gemm, gemm
+
+
+@pytest.mark.skipif(
+    compiler() is None or not level_at_least(cpu_isa_level(), "avx2"),
+    reason="quantized weights need a C compiler and AVX2",
+)
+def test_five_bit_blocks_run_in_the_engine(gguf_writer) -> None:
+    """Q5_0 and Q5_1 Linears (the rest Q8_0) run quantized in the engine, every one of them: decode steps in the
+    GEMV, a long prompt on the dequantized weights, scored as the dequantized model scores it."""
+    linears = {**FIVE_BIT, "attn_output": GGMLQuantizationType.Q5_1, "ffn_down": GGMLQuantizationType.Q5_0}
+    tiny = gguf_writer(qtype_overrides={f"blk.{i}.{linear}.weight": qtype
+                                        for i in range(2) for linear, qtype in linears.items()})
+    gemm = gguf_scores_the_prompt_as_none(tiny.path)
+    assert gemm.startswith("native_quant_") and "q5_0" in gemm and "q5_1" in gemm, gemm
+    assert "float Linear" not in gemm, gemm
