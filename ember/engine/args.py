@@ -16,7 +16,7 @@ from ember.kernels.cpu import cpu_isa_level, kernel_level
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # none: float weights (a GGUF file's blocks dequantized at load); gguf: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/
-# Q4_K/Q6_K Linear weights kept in their blocks; int8: every Linear weight quantized per output channel at load.
+# Q4_K/Q5_K/Q6_K Linear weights kept in their blocks; int8: every Linear weight quantized per output channel at load.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
@@ -213,7 +213,7 @@ class EngineArgs:
         group.add_argument("--quantization", default=defaults.quantization, choices=QUANTIZATION_CHOICES,
                            help="how the Linear layers' weights are held on CPU: none = float in --dtype (a GGUF "
                                 "file's blocks dequantized at load); gguf = a .gguf file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/"
-                                "Q4_K/Q6_K weights kept in their blocks and run by native kernels that dequantize in "
+                                "Q4_K/Q5_K/Q6_K weights kept in their blocks and run by native kernels that dequantize in "
                                 "registers; "
                                 "auto = with a .gguf file on CPU with native kernels, the blocks for "
                                 "decode-sized batches (read at their 4.5-8.8 bits a weight) and for larger ones "

@@ -42,19 +42,27 @@
 // form): per super-block, scales holds its 16 sc then 8 m (24 bytes), mins its d and dmin (fp16).
 // Q5_0, Q5_1: GGUF's, each row its low 4 bits as Q4_0's nibbles, then their fifth bits as two 32-bit masks per pair
 // of blocks (the low nibbles' weights of both blocks, then the high nibbles'; ember/kernels/quantized_weight.py).
-enum weight_format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8 };
+// Q5_K: GGUF's, as Q4_K (its nibbles and scales) with Q5_0's masks. Q8_0_MIN: Q8_0 with an fp16 min per block
+// (w = d q + m), the form Q5_1 rows fused with Q8_0 ones take.
+enum weight_format {
+    Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8 = 3, INT8_PANELS = 4, Q4_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8, Q5_K = 9,
+    Q8_0_MIN = 10
+};
 
 // The formats of 4-bit values two per byte, in Q4_0's order within a block of 32.
 static inline int nibble_format(int format) { return format == Q4_0 || format == Q4_1 || format == Q4_K; }
 
 // The formats of 5-bit values: Q4_0's nibbles, then the fifth bits.
-static inline int five_bit_format(int format) { return format == Q5_0 || format == Q5_1; }
+static inline int five_bit_format(int format) { return format == Q5_0 || format == Q5_1 || format == Q5_K; }
+
+// The formats of Q4_K's super-block scales: 6-bit sc and m per block times fp16 d and dmin.
+static inline int k_quant_scales(int format) { return format == Q4_K || format == Q5_K; }
 
 // Either: the GEMV unpacks both alike (and pairs their activations' blocks).
 static inline int packed_nibbles(int format) { return nibble_format(format) || five_bit_format(format); }
 
 // The formats with an fp16 min per block of 32.
-static inline int block_min_format(int format) { return format == Q4_1 || format == Q5_1; }
+static inline int block_min_format(int format) { return format == Q4_1 || format == Q5_1 || format == Q8_0_MIN; }
 
 // Bytes of one weight row of k values (blocks of 32) as stored.
 static inline int64_t weight_row_bytes(int format, int64_t k) {
@@ -88,10 +96,10 @@ static inline void q4_k_scales(const uint8_t *block_values, const uint16_t *d_dm
 }
 
 // Block b of weight row n (of `blocks`) as w = scale q + min, in float32: Q8_0/Q4_0/Q5_0 (min 0; the offset of
-// Q4_0's and Q5_0's q apart), Q4_1, Q5_1, Q4_K (d sc and -(dmin m), as q4_k_scales).
+// Q4_0's and Q5_0's q apart), Q4_1, Q5_1, Q8_0_MIN, Q4_K and Q5_K (d sc and -(dmin m), as q4_k_scales).
 static inline void block_scale_min(int format, const void *scales, const void *mins, int64_t n, int64_t blocks,
                                    int64_t b, float *scale, float *min) {
-    if (format == Q4_K) {
+    if (k_quant_scales(format)) {
         const int64_t super = n * (blocks / GROUP) + b / GROUP;
         const uint8_t *values = (const uint8_t *)scales + super * 16;
         const uint16_t *d_dmin = (const uint16_t *)mins + super * 2;
@@ -257,7 +265,7 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
         g->scales = _mm256_set1_ps(1.0f);
         return;
     }
-    if (format == Q4_K) {  // a group is one super-block (k is a multiple of 256)
+    if (k_quant_scales(format)) {  // a group is one super-block (k is a multiple of 256)
         q4_k_scales((const uint8_t *)row_scales + b / GROUP * 16, (const uint16_t *)row_mins + b / GROUP * 2,
                     &g->scales, &g->mins);
         return;
@@ -327,7 +335,7 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
                                _mm256_fnmadd_ps(_mm256_set1_ps(format == Q4_0 ? 8.0f : 16.0f), _mm256_loadu_ps(xs), scaled),
                                acc);
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
-    if (block_min_format(format) || format == Q4_K || format == Q6_K)
+    if (block_min_format(format) || k_quant_scales(format) || format == Q6_K)
         acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
     return acc;
 }
@@ -350,7 +358,7 @@ static inline __attribute__((always_inline)) void group_step(
     weight_group g;
     load_group(format, group_values, group_masks, row_scales, row_mins, b, count, &g);
     g.scales = _mm256_and_ps(keep, g.scales);
-    if (block_min_format(format) || format == Q4_K) g.mins = _mm256_and_ps(keep, g.mins);
+    if (block_min_format(format) || k_quant_scales(format)) g.mins = _mm256_and_ps(keep, g.mins);
     for (int r = 0; r < tile; r++)
         acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
                              a.s + r * stride + b, acc[r]);
@@ -366,14 +374,14 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     const int64_t blocks = k / BLOCK, stride = activation_blocks(k), row_bytes = weight_row_bytes(format, k);
     const char *values = (const char *)qs + n * row_bytes;
     const uint8_t *masks = (const uint8_t *)values + blocks * BLOCK / 2;  // five-bit rows' (past the nibbles)
-    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or per super-block (Q4_K: 16 bytes of sc
-    // and m, Q6_K: 24; both: fp16 d and dmin).
+    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0_MIN) or per super-block (Q4_K and
+    // Q5_K: 16 bytes of sc and m, Q6_K: 24; all three: fp16 d and dmin).
     const void *row_scales = format == INT8 ? 0
-                             : format == Q4_K ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
+                             : k_quant_scales(format) ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
                              : format == Q6_K ? (const void *)((const int8_t *)scales + n * blocks / GROUP * 24)
                                               : (const void *)((const uint16_t *)scales + n * blocks);
     const void *row_mins = block_min_format(format)          ? (const void *)((const uint16_t *)mins + n * blocks)
-                           : format == Q4_K || format == Q6_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2)
+                           : k_quant_scales(format) || format == Q6_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2)
                                                               : 0;
     __m256 acc[ROW_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
@@ -433,6 +441,8 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
             case Q6_K: TILE_CASES(Q6_K) break;
             case Q5_0: TILE_CASES(Q5_0) break;
             case Q5_1: TILE_CASES(Q5_1) break;
+            case Q5_K: TILE_CASES(Q5_K) break;
+            case Q8_0_MIN: TILE_CASES(Q8_0_MIN) break;
             default: TILE_CASES(INT8) break;
             }
         }
@@ -531,9 +541,10 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
             float d, m;
             block_scale_min(format, scales, mins, n, blocks, b, &d, &m);
             const int64_t first = n * k + b * BLOCK;
-            if (format == Q8_0) {
+            if (format == Q8_0 || format == Q8_0_MIN) {  // multiply, then add: the panels' arithmetic
                 const int8_t *q = (const int8_t *)qs + first;
-                for (int i = 0; i < BLOCK; i++) store_value(out, out_bf16, first + i, d * (float)q[i]);
+                for (int i = 0; i < BLOCK; i++)
+                    store_value(out, out_bf16, first + i, format == Q8_0 ? d * (float)q[i] : d * (float)q[i] + m);
                 continue;
             }
             const uint8_t *row = (const uint8_t *)qs + n * weight_row_bytes(format, k);

@@ -22,7 +22,8 @@ from ember.kernels.quantized_weight import QuantizedWeight
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FORMAT_CODES = {  # quant_gemm.c's enum weight_format
-    "q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "int8_panels": 4, "q4_k": 5, "q6_k": 6, "q5_0": 7, "q5_1": 8,
+    "q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "int8_panels": 4, "q4_k": 5, "q6_k": 6, "q5_0": 7, "q5_1": 8, "q5_k": 9,
+    "q8_0_min": 10,
 }
 _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # The most rows the GEMV takes: past them the float GEMM on the dequantized weight is faster, and with bfloat16

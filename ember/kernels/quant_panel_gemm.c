@@ -32,9 +32,10 @@ int quant_panel_gemm_supported(void) {
 #if defined(PANEL_GEMM_AMX) || defined(PANEL_GEMM_BF16)
 #define PANEL 32  // outputs per panel: the GEMMs' pair of 16-output blocks
 
-// Block b (32 values along k) of 8-bit weight row `row` (Q8_0, Q6_K, int8) as 32 bfloat16 in k order, as
-// dequantize_weight computes them; d0, d1: the scales of its first and second 16 values (Q6_K's own; the block's,
-// or the row's for int8, twice otherwise); min: Q6_K's, added after the multiply (NULL for the others).
+// Block b (32 values along k) of 8-bit weight row `row` (Q8_0, Q8_0_MIN, Q6_K, int8; the five-bit formats' unpacked
+// values) as 32 bfloat16 in k order, as dequantize_weight computes them; d0, d1: the scales of its first and second
+// 16 values (Q6_K's own; the block's, or the row's for int8, twice otherwise); min: added after the multiply, or
+// NULL.
 static inline __m512i dequantize_int8_block(const int8_t *q, float d0, float d1, const float *min) {
     // Multiply, then round once: dequantize_weight's arithmetic.
     __m512 first =
@@ -145,8 +146,8 @@ static inline void q4_lines(int format, const uint8_t *q, int64_t row_bytes, con
     }
 }
 
-// The same for Q5_0/Q5_1: block b of 16 rows (row i at row + i * row_bytes, `blocks` blocks each) unpacked to
-// int8 q (- 16 for Q5_0) in k order, then int8_lines' arithmetic with the rows' scales (and Q5_1's mins).
+// The same for Q5_0/Q5_1/Q5_K: block b of 16 rows (row i at row + i * row_bytes, `blocks` blocks each) unpacked to
+// int8 q (- 16 for Q5_0) in k order, then int8_lines' arithmetic with the rows' scales (and the others' mins).
 static inline void q5_lines(int format, const uint8_t *row, int64_t blocks, int64_t b, int64_t row_bytes,
                             const float *scales, const float *mins, uint16_t *lines) {
     int8_t q[16][BLOCK] __attribute__((aligned(64)));
@@ -162,11 +163,11 @@ static inline void q5_lines(int format, const uint8_t *row, int64_t blocks, int6
         const uint32_t bits = ((masks[0] >> shift) & 0xFFFF) | ((masks[1] >> shift) & 0xFFFF) << 16;
         _mm256_store_si256((__m256i *)q[i], _mm256_sub_epi8(_mm256_or_si256(nibbles, fifth_bits(bits)), offset));
     }
-    int8_lines(&q[0][0], BLOCK, scales, scales, format == Q5_1 ? mins : NULL, lines);
+    int8_lines(&q[0][0], BLOCK, scales, scales, format == Q5_0 ? NULL : mins, lines);
 }
 
 // Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales`,
-// `mins` (Q4_1, Q5_1, Q4_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
+// `mins` (Q4_1, Q5_1, Q8_0_MIN, Q4_K, Q5_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
 // block scales as float32, [k / 32][PANEL]. The next panel's values
 // (contiguous: rows follow each other) are requested into L2 along the way, a part per block, so that the
 // loads of 16 or 32 rows' interleaved streams find them there.
@@ -179,7 +180,7 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
             for (int64_t b = 0; b < blocks; b++) scales[b * PANEL + o] = ((const float *)scale_values)[first + o];
             continue;
         }
-        if (format == Q4_K) {  // 6-bit multiples of the super-block's d and dmin: one block at a time
+        if (k_quant_scales(format)) {  // 6-bit multiples of the super-block's d and dmin: one block at a time
             for (int64_t b = 0; b < blocks; b++)
                 block_scale_min(format, scale_values, min_values, first + o, blocks, b, &scales[b * PANEL + o],
                                 &mins[b * PANEL + o]);
@@ -225,7 +226,7 @@ static void dequantize_panel(int format, const void *qs, const void *scale_value
             else
                 int8_lines((const int8_t *)qs + row * row_bytes + b * BLOCK, row_bytes, block_scales,
                            format == Q6_K ? second_scales + b * PANEL + half * 16 : block_scales,
-                           format == Q6_K ? mins + b * PANEL + half * 16 : NULL, lines);
+                           format == Q6_K || format == Q8_0_MIN ? mins + b * PANEL + half * 16 : NULL, lines);
         }
     }
 }

@@ -24,6 +24,10 @@ Formats (QUANT_FORMATS):
   as Q4's and sets the fifth bits from two masks: the file's 5.5 bits per weight (6 for Q5_1, with its m).
   llama.cpp's own Q4_K_M and Q5_K_M of a model whose rows are not whole super-blocks of 256 (SmolLM2's) are
   mostly Q5_0 and Q5_1.
+- "q5_k": GGUF's Q5_K (Q4_K's super-blocks with a fifth bit per weight, w = d sc q - dmin m) as "q4_k" with the
+  fifth bits as "q5_0"'s masks after each row's nibbles: 5.625 bits per weight, the file's 5.5.
+- "q8_0_min": int8 values with an fp16 scale d and min m per block (w = d q + m): the form a projection fusing
+  Q5_1 rows (q = their 5-bit values) with Q8_0 ones (m = 0) takes, a Q5_K_M file's q, k and v where v is Q8_0.
 - "int8": weight-only int8 with one float32 scale per output row (max |w| / 127), made from any float
   weight (`--quantization int8`).
 - "int8_panels": int8's values and scales, the values stored as w + 128 (uint8) in the panel layout of
@@ -44,10 +48,10 @@ import torch
 
 BLOCK = 32
 SUPER_BLOCK = 256  # the K-quants' (Q4_K, Q6_K): 8 blocks of 32
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "int8", "int8_panels")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q8_0_min", "int8", "int8_panels")
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
-FIVE_BIT_FORMATS = ("q5_0", "q5_1")  # Q4_0's nibbles, then the fifth bits
-SUPER_BLOCK_FORMATS = ("q4_k", "q6_k")  # their rows are whole super-blocks
+FIVE_BIT_FORMATS = ("q5_0", "q5_1", "q5_k")  # Q4_0's nibbles, then the fifth bits
+SUPER_BLOCK_FORMATS = ("q4_k", "q5_k", "q6_k")  # their rows are whole super-blocks
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
 GGUF_BLOCK_FORMATS = {
@@ -57,6 +61,7 @@ GGUF_BLOCK_FORMATS = {
     "Q5_0": ("q5_0", 2 + 4 + BLOCK // 2),  # fp16 d, 32 fifth bits, 16 bytes of low nibbles
     "Q5_1": ("q5_1", 4 + 4 + BLOCK // 2),  # fp16 d and m, then as Q5_0
     "Q4_K": ("q4_k", 4 + 12 + SUPER_BLOCK // 2),  # per super-block: d, dmin, 12 bytes of 6-bit sc/m, nibbles
+    "Q5_K": ("q5_k", 4 + 12 + SUPER_BLOCK // 8 + SUPER_BLOCK // 2),  # as Q4_K, the fifth bits before the nibbles
     "Q6_K": ("q6_k", SUPER_BLOCK // 2 + SUPER_BLOCK // 4 + SUPER_BLOCK // 16 + 2),  # low 4 bits, high 2, sc, d
 }
 
@@ -64,13 +69,13 @@ GGUF_BLOCK_FORMATS = {
 @dataclass(frozen=True)
 class QuantizedWeight:
     format: str
-    # int8 [N, K] (q8_0, q6_k, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1, q4_k), uint8 [N, K / 2 + 8 pairs]
-    # (q5_0, q5_1) or panels (int8_panels)
+    # int8 [N, K] (q8_0, q8_0_min, q6_k, int8), uint8 nibbles [N, K / 2] (q4_0, q4_1, q4_k), uint8
+    # [N, K / 2 + 8 a block pair] (q5_0, q5_1, q5_k) or panels (int8_panels)
     values: torch.Tensor
-    # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k and
+    # float16 [N, K / 32], float32 [N] for int8 and int8_panels, uint8 [N, K / 256 * 16] for q4_k and q5_k and
     # [N, K / 256 * 24] for q6_k
     scales: torch.Tensor
-    # float16: [N, K / 32] for q4_1 and q5_1, [N, K / 256 * 2] (d, dmin) for q4_k and q6_k
+    # float16: [N, K / 32] for q4_1, q5_1 and q8_0_min, [N, K / 256 * 2] (d, dmin) for q4_k, q5_k and q6_k
     mins: torch.Tensor | None = None
 
     @property
@@ -106,8 +111,9 @@ class QuantizedWeight:
         if self.format == "int8_panels":
             values = self.values.view(n // PANEL_OUTPUTS, 2, k // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, k)
             return self.scales[:, None] * (values.float() - 128)
-        if self.format == "q8_0":
-            return (self.scales.float()[:, :, None] * self.values.view(n, -1, BLOCK).float()).view(n, k)
+        if self.format in ("q8_0", "q8_0_min"):
+            scaled = self.scales.float()[:, :, None] * self.values.view(n, -1, BLOCK).float()
+            return (scaled if self.mins is None else scaled + self.mins.float()[:, :, None]).view(n, k)
         if self.format == "q6_k":
             scales, mins = self.block_scales_and_mins()
             halves = scales.view(n, -1, 2, 1) * self.values.view(n, -1, 2, 16).float()
@@ -132,10 +138,10 @@ class QuantizedWeight:
         return q | (bits.reshape(n, -1, BLOCK)[:, :blocks] << 4).to(torch.int16)
 
     def block_scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4_1, q5_1, q4_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
+        """q4_1, q5_1, q8_0_min, q4_k, q5_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
         scales per 16 weights, [N, K / 16]); for q4_k and q6_k d sc and -(dmin m), each product in float32 as
         llama.cpp's dequantizers compute it."""
-        if self.format in ("q4_1", "q5_1"):
+        if self.format in ("q4_1", "q5_1", "q8_0_min"):
             return self.scales.float(), self.mins.float()
         n = self.values.shape[0]
         if self.format == "q6_k":
@@ -153,8 +159,8 @@ class QuantizedWeight:
         """From a GGUF tensor's raw bytes (uint8, `rows` rows) of a block type of GGUF_BLOCK_FORMATS."""
         format, block_bytes = GGUF_BLOCK_FORMATS[block_type]
         blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
-        if format == "q4_k":
-            return cls._from_q4_k_blocks(blocks)
+        if format in ("q4_k", "q5_k"):
+            return cls._from_k_quant_blocks(format, blocks)
         if format == "q6_k":
             return cls._from_q6_k_blocks(blocks)
         if format in FIVE_BIT_FORMATS:
@@ -170,8 +176,9 @@ class QuantizedWeight:
         return cls(format, values.view(torch.int8) if format == "q8_0" else values, scales, mins)
 
     @classmethod
-    def _from_q4_k_blocks(cls, blocks: np.ndarray) -> QuantizedWeight:
-        """Q4_K super-blocks [rows, super, 144] (ggml's block_q4_K) as "q4_k" (see the module docstring)."""
+    def _from_k_quant_blocks(cls, format: str, blocks: np.ndarray) -> QuantizedWeight:
+        """Q4_K or Q5_K super-blocks [rows, super, 144 or 176] (ggml's block_q4_K: d, dmin, 12 bytes of scales, qs[128];
+        block_q5_K: qh[32] before qs) as "q4_k" or "q5_k" (see the module docstring)."""
         rows, supers = blocks.shape[:2]
         d_dmin = np.ascontiguousarray(blocks[:, :, 0:4]).view(np.float16).reshape(rows, supers * 2)
         packed = blocks[:, :, 4:16].astype(np.uint8)
@@ -181,10 +188,16 @@ class QuantizedWeight:
         m = np.concatenate([packed[:, :, 4:8] & 63, (packed[:, :, 8:12] >> 4) | ((packed[:, :, 4:8] >> 6) << 4)], axis=2)
         # Nibbles: per 64 weights, 32 bytes whose low nibbles are block 2j's weights 0-31 and high nibbles block
         # 2j + 1's; Q4_1's order puts weight i of a block in byte i % 16's low (i < 16) or high nibble.
-        qs = blocks[:, :, 16:].reshape(rows, supers, 4, 32)
+        at = 16 if format == "q4_k" else 48
+        qs = blocks[:, :, at:].reshape(rows, supers, 4, 32)
         weights = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, supers * 8, 2, 16)  # [block, half, i]
         values = (weights[:, :, 0] | (weights[:, :, 1] << 4)).astype(np.uint8).reshape(rows, -1)
-        return cls("q4_k", torch.from_numpy(np.ascontiguousarray(values)),
+        if format == "q5_k":  # qh[i]'s bit b: the fifth bit of the super-block's block b's weight i
+            qh = blocks[:, :, 16:48].astype(np.uint64)  # [rows, super, i]
+            fifth = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint64)[:, None]) & 1  # [rows, super, block, i]
+            words = (fifth << np.arange(BLOCK, dtype=np.uint64)).sum(axis=3).reshape(rows, -1)
+            values = np.concatenate([values, fifth_bit_masks(words)], axis=1)
+        return cls(format, torch.from_numpy(np.ascontiguousarray(values)),
                    torch.from_numpy(np.ascontiguousarray(np.concatenate([sc, m], axis=2).reshape(rows, -1))),
                    torch.from_numpy(np.ascontiguousarray(d_dmin)))
 
@@ -212,25 +225,26 @@ class QuantizedWeight:
         """Q5_0 or Q5_1 blocks [rows, blocks, 22 or 24] (ggml's block_q5_0: fp16 d, uint32 qh, qs[16]; block_q5_1:
         fp16 d and m, then the same; weight i's low 4 bits in byte i % 16 of qs, the low nibble for i < 16, its
         fifth bit bit i of qh) as "q5_0" or "q5_1" (see the module docstring)."""
-        rows, count = blocks.shape[:2]
+        rows = blocks.shape[0]
         at = 2 if format == "q5_0" else 4  # qh's offset
         d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0]
         m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0] if format == "q5_1" else None
         qh = np.ascontiguousarray(blocks[:, :, at : at + 4]).view(np.uint32)[:, :, 0].astype(np.uint64)
-        if count % 2:  # a lone last block: its pair's second block has no fifth bits
-            qh = np.concatenate([qh, np.zeros((rows, 1), np.uint64)], axis=1)
-        first, second = qh[:, 0::2], qh[:, 1::2]
-        low = (first & 0xFFFF) | ((second & 0xFFFF) << 16)  # the pair's low nibbles' weights (0-15 of each block)
-        high = (first >> 16) | (second & 0xFFFF0000)  # its high nibbles' (16-31)
-        masks = np.stack([low, high], axis=2).astype("<u4").view(np.uint8).reshape(rows, -1)
         nibbles = blocks[:, :, at + 4 :].reshape(rows, -1)
-        values = torch.from_numpy(np.ascontiguousarray(np.concatenate([nibbles, masks], axis=1)))
+        values = torch.from_numpy(np.ascontiguousarray(np.concatenate([nibbles, fifth_bit_masks(qh)], axis=1)))
         return cls(format, values, torch.from_numpy(d.copy()), None if m is None else torch.from_numpy(m.copy()))
 
     def as_q8_0(self) -> QuantizedWeight:
         """A q5_0 weight as q8_0, the same values (q - 16): for a projection fused with Q8_0 rows."""
         n, k = self.shape
         return QuantizedWeight("q8_0", (self.block_values() - 16).to(torch.int8).view(n, k), self.scales)
+
+    def as_q8_0_min(self) -> QuantizedWeight:
+        """A q5_1 or q8_0 weight as q8_0_min, the same values: for a projection fusing the two."""
+        n, k = self.shape
+        if self.format == "q8_0":
+            return QuantizedWeight("q8_0_min", self.values, self.scales, torch.zeros_like(self.scales))
+        return QuantizedWeight("q8_0_min", self.block_values().to(torch.int8).view(n, k), self.scales, self.mins)
 
     def as_q6_k(self) -> QuantizedWeight:
         """A q4_k weight in q6_k's form, the same values (see the module docstring)."""
@@ -253,6 +267,17 @@ class QuantizedWeight:
         return cls("int8", values.contiguous(), scales.contiguous())
 
 
+def fifth_bit_masks(words: np.ndarray) -> np.ndarray:
+    """Per row, each block's 32 fifth bits (uint64 [rows, blocks], bit i: weight i's) as the five-bit formats'
+    masks, uint8 [rows, 8 per block pair] (see the module docstring; a lone last block pairs with zeros)."""
+    if words.shape[1] % 2:
+        words = np.concatenate([words, np.zeros((words.shape[0], 1), words.dtype)], axis=1)
+    first, second = words[:, 0::2], words[:, 1::2]
+    low = (first & 0xFFFF) | ((second & 0xFFFF) << 16)  # the pair's low nibbles' weights (0-15 of each block)
+    high = (first >> 16) | (second & 0xFFFF0000)  # its high nibbles' (16-31)
+    return np.stack([low, high], axis=2).astype("<u4").view(np.uint8).reshape(words.shape[0], -1)
+
+
 def int8_panels(weight: QuantizedWeight) -> QuantizedWeight:
     """An "int8" weight ([N, K], N a multiple of PANEL_OUTPUTS, K of W8A8_GROUP) as "int8_panels"."""
     n, k = weight.shape
@@ -273,6 +298,9 @@ def cat_rows(
     if formats == {"q5_0", "q8_0"}:  # a Q4_K_M file's q and k in Q5_0, v in Q8_0 (for Q6_K): one q8_0 weight
         weights = [w.as_q8_0() if w.format == "q5_0" else w for w in weights]
         formats = {"q8_0"}
+    if formats == {"q5_1", "q8_0"}:  # a Q5_K_M file's: one q8_0_min weight
+        weights = [w.as_q8_0_min() for w in weights]
+        formats = {"q8_0_min"}
     if len(formats) == 1 and None not in formats:
         first = weights[0]
         arrays = [f.name for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)]

@@ -19,13 +19,15 @@ from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGe
 from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, cat_rows, int8_panels
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
-# "q4_k+q6_k": Q4_K rows fused with Q6_K ones (a Q4_K_M file's q, k and v), one q6_k weight with mins
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "q4_k+q6_k", "int8")
+# "q4_k+q6_k": Q4_K rows fused with Q6_K ones (a Q4_K_M file's q, k and v), one q6_k weight with mins; "q5_1+q8_0":
+# Q5_1 rows fused with Q8_0 ones (a Q5_K_M file's), one q8_0_min weight
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k+q6_k", "q5_1+q8_0", "int8")
 N, K = 96, 576  # 18 blocks per row: two whole groups of 8 for the GEMV, then one ending at block 18 (6 masked)
 ODD_K = 13 * BLOCK  # a group of 8, then a partial group of 5 (a lone last block of Q4 nibbles and Q5 masks)
 K_QUANT_WIDTHS = {K: 512, ODD_K: 768}  # q4_k and q6_k rows are whole super-blocks of 256 (one GEMV group each)
 # GGUF block type, bytes per super-block and the offset of its fp16 scales (d, and dmin for Q4_K)
-K_QUANTS = {"q4_k": ("Q4_K", 144, 0, 2), "q6_k": ("Q6_K", 210, 208, 1)}
+K_QUANTS = {"q4_k": ("Q4_K", 144, 0, 2), "q5_k": ("Q5_K", 176, 0, 2), "q6_k": ("Q6_K", 210, 208, 1)}
+FUSED = {"q4_k+q6_k": "q6_k", "q5_1+q8_0": "q8_0_min"}  # the fused weight's format
 
 
 def width(format: str, k: int = K) -> int:
@@ -44,10 +46,10 @@ def random_weight(format: str, seed: int, k: int = K) -> tuple[QuantizedWeight, 
     """A weight [N, k] of `format` made from random floats, and its float32 values as gguf's own dequantizer
     (or, for int8, the definition) gives them."""
     generator = torch.Generator().manual_seed(seed)
-    if format == "q4_k+q6_k":
-        parts = [random_weight(part, seed + i, k) for i, part in enumerate(("q4_k", "q6_k"))]
+    if format in FUSED:
+        parts = [random_weight(part, seed + i, k) for i, part in enumerate(format.split("+"))]
         fused = cat_rows([weight.map_rows(lambda rows: rows[: N // 2]) for weight, _ in parts], torch.float32)
-        assert isinstance(fused, QuantizedWeight) and fused.format == "q6_k"
+        assert isinstance(fused, QuantizedWeight) and fused.format == FUSED[format]
         return fused, torch.cat([dense[: N // 2] for _, dense in parts])
     if format in K_QUANTS:  # gguf cannot quantize to them: random super-blocks (any bytes, small fp16 scales)
         block_type, block_bytes, at, count = K_QUANTS[format]
@@ -88,7 +90,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
         half_scales, mins = (t.double() for t in weight.block_scales_and_mins())
         terms = (halves * half_scales.view(n, -1, 2)[None]).sum(dim=3) * d[:, None, :] + mins[None] * xs[:, None, :]
         return terms.sum(dim=2), 1e-5 * terms.abs().sum(dim=2)
-    if weight.format in ("q8_0", "int8"):
+    if weight.format in ("q8_0", "q8_0_min", "int8"):
         q = weight.values.view(n, -1, BLOCK).double()
     else:
         q = weight.block_values().double()
@@ -96,7 +98,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
     if weight.format == "int8":
         terms = dots * d[:, None, :] * weight.scales.double()[None, :, None]
     else:
-        with_mins = weight.format in ("q4_1", "q5_1", "q4_k")
+        with_mins = weight.format in ("q4_1", "q5_1", "q8_0_min", "q4_k", "q5_k")
         scales, mins = weight.block_scales_and_mins() if with_mins else (weight.scales, None)
         dw = scales.double()[None]
         terms = dw * d[:, None, :] * dots

@@ -70,7 +70,8 @@ _CYCLE = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantization
 
 
 # K-quant type -> bytes per super-block of 256, the offset of its fp16 scales (d, and dmin for Q4_K), their count
-_K_QUANTS = {GGMLQuantizationType.Q4_K: (144, 0, 2), GGMLQuantizationType.Q6_K: (210, 208, 1)}
+_K_QUANTS = {GGMLQuantizationType.Q4_K: (144, 0, 2), GGMLQuantizationType.Q5_K: (176, 0, 2),
+             GGMLQuantizationType.Q6_K: (210, 208, 1)}
 
 
 @dataclass

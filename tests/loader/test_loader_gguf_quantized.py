@@ -1,5 +1,5 @@
-"""quantization="gguf": a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K Linear weights come out in their blocks (rows in Hugging
-Face order, a tied output layer from the embedding's blocks), everything else dequantized as without it; and
+"""quantization="gguf": a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K Linear weights come out in their
+blocks (rows in Hugging Face order, a tied output layer from the embedding's blocks), everything else dequantized as without it; and
 a tiny model with a mix of block and float types in one fused projection runs through the engine."""
 
 from __future__ import annotations
@@ -159,3 +159,28 @@ def test_five_bit_blocks_run_in_the_engine(gguf_writer) -> None:
     gemm = gguf_scores_the_prompt_as_none(tiny.path)
     assert gemm.startswith("native_quant_") and "q5_0" in gemm and "q5_1" in gemm, gemm
     assert "float Linear" not in gemm, gemm
+
+
+@pytest.mark.skipif(
+    compiler() is None or not level_at_least(cpu_isa_level(), "avx2"),
+    reason="quantized weights need a C compiler and AVX2",
+)
+def test_a_q5_k_m_mix_stays_quantized_and_runs_in_the_engine(gguf_writer) -> None:
+    """llama.cpp's Q5_K_M mix where rows are not whole super-blocks: Q5_1 q, k, o, gate and up, v in Q8_0 (its
+    fallback for Q6_K), Q5_K ffn_down: q, k and v fuse into one q8_0_min weight, ffn_down stays q5_k (both
+    dequantizing to the file's values), and every Linear runs quantized, scored as the dequantized model."""
+    linears = {"attn_q": GGMLQuantizationType.Q5_1, "attn_k": GGMLQuantizationType.Q5_1,
+               "attn_v": GGMLQuantizationType.Q8_0, "attn_output": GGMLQuantizationType.Q5_1,
+               "ffn_gate": GGMLQuantizationType.Q5_1, "ffn_up": GGMLQuantizationType.Q5_1,
+               "ffn_down": GGMLQuantizationType.Q5_K}
+    tiny = gguf_writer(dims=Q4_K_DIMS, qtype_overrides={f"blk.{i}.{linear}.weight": qtype
+                                                        for i in range(2) for linear, qtype in linears.items()})
+    loaded = load_model(tiny.path, dtype="float32", quantization="gguf")
+    down = loaded.state_dict.quantized("model.layers.0.mlp.down_proj.weight")
+    assert down.format == "q5_k" and torch.equal(down.dequantize(), tiny.expected["model.layers.0.mlp.down_proj.weight"])
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    fused = cat_rows([loaded.state_dict.quantized(name) for name in names], torch.float32)
+    assert fused.format == "q8_0_min"
+    assert torch.equal(fused.dequantize(), torch.cat([tiny.expected[name] for name in names]))
+    gemm = gguf_scores_the_prompt_as_none(tiny.path)
+    assert "q5_1" in gemm and "q5_k" in gemm and "q8_0_min" in gemm and "float Linear" not in gemm, gemm
