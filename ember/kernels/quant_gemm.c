@@ -1,8 +1,8 @@
 // Quantized weights used as they are stored: y = x @ W^T for W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
-// Q5_1: 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1 and Q5_1; Q4_K: super-blocks of 8 such blocks whose
-// scales and mins are 6-bit multiples of the super-block's fp16 d and dmin; Q6_K: 6-bit values, an 8-bit scale per
-// 16 weights, times the super-block's d) or int8 with one float scale per output row ("int8"), dequantized in
-// registers, never in memory.
+// Q5_1: 32 weights per block with an fp16 scale, plus an fp16 min for Q4_1 and Q5_1; Q4_K, Q5_K: super-blocks of 8
+// such blocks whose scales and mins are 6-bit multiples of the super-block's fp16 d and dmin; Q6_K: 6-bit values, an
+// 8-bit scale per 16 weights, times the super-block's d) or int8 with one float scale per output row ("int8"),
+// dequantized in registers, never in memory.
 //
 // The activation rows are quantized first, as llama.cpp's Q8_0/Q8_1 activations: per block of 32, a float
 // scale d = max|x| / 127, int8 values round(x / d) and their sum s = d * sum(q). A weight block then meets
@@ -12,7 +12,8 @@
 //   Q8_0: dw * dx * dot(w, x)             (w signed: |w| times x carrying w's sign)
 //   Q4_0: dw * (dx * dot(q, x) - 8 s)      (w = dw (q - 8), q the unsigned nibble)
 //   Q4_1: dw * dx * dot(q, x) + mw * s     (w = dw q + mw; Q4_K alike with dw = d sc, mw = -dmin m)
-//   Q5_0: dw * (dx * dot(q, x) - 16 s)     (w = dw (q - 16), q the nibble with its fifth bit; Q5_1 as Q4_1)
+//   Q5_0: dw * (dx * dot(q, x) - 16 s)     (w = dw (q - 16), q the nibble with its fifth bit; Q5_1, Q8_0_MIN
+//                                           as Q4_1, Q5_K as Q4_K)
 //   Q6_K: d * dx * (sc0 * dot0(v, x) + sc1 * dot1(v, x)) - dmin * m * s   (the block's halves of 16, each with its sc)
 //   int8: row_scale * sum over blocks of dx * dot(w, x)
 // Decode batches are a few rows, so the GEMV is made to run at the speed of reading the weight once per step:
