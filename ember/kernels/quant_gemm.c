@@ -331,10 +331,10 @@ static inline __attribute__((always_inline)) __m256i group_dots(int format, cons
 static inline __attribute__((always_inline)) __m256 group_terms(int format, const weight_group *g, __m256i dots,
                                                                 const float *xd, const float *xs, __m256 acc) {
     const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(xd));
-    if (format == Q4_0 || format == Q5_0)
-        return _mm256_fmadd_ps(g->scales,
-                               _mm256_fnmadd_ps(_mm256_set1_ps(format == Q4_0 ? 8.0f : 16.0f), _mm256_loadu_ps(xs), scaled),
-                               acc);
+    if (format == Q4_0 || format == Q5_0) {
+        const __m256 offset = _mm256_set1_ps(format == Q4_0 ? 8.0f : 16.0f);
+        return _mm256_fmadd_ps(g->scales, _mm256_fnmadd_ps(offset, _mm256_loadu_ps(xs), scaled), acc);
+    }
     acc = _mm256_fmadd_ps(g->scales, scaled, acc);
     if (block_min_format(format) || k_quant_scales(format) || format == Q6_K)
         acc = _mm256_fmadd_ps(g->mins, _mm256_loadu_ps(xs), acc);
@@ -377,13 +377,14 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     const uint8_t *masks = (const uint8_t *)values + blocks * BLOCK / 2;  // five-bit rows' (past the nibbles)
     // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0_MIN) or per super-block (Q4_K and
     // Q5_K: 16 bytes of sc and m, Q6_K: 24; all three: fp16 d and dmin).
-    const void *row_scales = format == INT8 ? 0
-                             : k_quant_scales(format) ? (const void *)((const uint8_t *)scales + n * blocks / GROUP * 16)
-                             : format == Q6_K ? (const void *)((const int8_t *)scales + n * blocks / GROUP * 24)
-                                              : (const void *)((const uint16_t *)scales + n * blocks);
-    const void *row_mins = block_min_format(format)          ? (const void *)((const uint16_t *)mins + n * blocks)
-                           : k_quant_scales(format) || format == Q6_K ? (const void *)((const uint16_t *)mins + n * blocks / GROUP * 2)
-                                                              : 0;
+    const void *row_scales = 0, *row_mins = 0;
+    if (k_quant_scales(format) || format == Q6_K) {
+        row_scales = (const uint8_t *)scales + n * blocks / GROUP * (format == Q6_K ? 24 : 16);
+        row_mins = (const uint16_t *)mins + n * blocks / GROUP * 2;
+    } else if (format != INT8) {
+        row_scales = (const uint16_t *)scales + n * blocks;
+        if (block_min_format(format)) row_mins = (const uint16_t *)mins + n * blocks;
+    }
     __m256 acc[ROW_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
     // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, the last whole
@@ -494,10 +495,9 @@ void quant_linear_init(quant_linear *w, int format, const void *qs, const void *
     w->xs = w->xd + values;
 }
 
-// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (int8 [n_out, k], nibbles
-// [n_out, k / 2], or rows of weight_row_bytes for the others), scales (fp16 [n_out, k / 32], or float32 [n_out] for
-// int8), mins (fp16 [n_out, k / 32], Q4_1 and Q5_1 only). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when
-// x_bf16.
+// out [rows, n_out] = x [rows, k] @ W^T + bias, for W [n_out, k] in `format`: qs (rows of weight_row_bytes), scales
+// and mins (or NULL) as the formats above hold them (fp16 [n_out, k / 32] per block; float32 [n_out] scales for
+// int8). x (row stride x_stride), bias (or NULL) and out are float32, or bfloat16 when x_bf16.
 void quant_gemm(int format, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const void *qs,
                 const void *scales, const void *mins, const void *bias, void *out, int64_t n_out, int64_t k,
                 int num_threads) {

@@ -167,8 +167,8 @@ static inline void q5_lines(int format, const uint8_t *row, int64_t blocks, int6
 }
 
 // Weight rows [first, first + PANEL) as one panel of the VNNI layout, [2][k / 2][16][2] bfloat16. `scales`,
-// `mins` (Q4_1, Q5_1, Q8_0_MIN, Q4_K, Q5_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are scratch for the panel's
-// block scales as float32, [k / 32][PANEL]. The next panel's values
+// `mins` (Q4_1, Q5_1, Q8_0_MIN, Q4_K, Q5_K, Q6_K) and `second_scales` (Q6_K: its blocks' second halves') are
+// scratch for the panel's block scales as float32, [k / 32][PANEL]. The next panel's values
 // (contiguous: rows follow each other) are requested into L2 along the way, a part per block, so that the
 // loads of 16 or 32 rows' interleaved streams find them there.
 static void dequantize_panel(int format, const void *qs, const void *scale_values, const uint16_t *min_values,

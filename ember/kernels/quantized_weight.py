@@ -138,9 +138,9 @@ class QuantizedWeight:
         return q | (bits.reshape(n, -1, BLOCK)[:, :blocks] << 4).to(torch.int16)
 
     def block_scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4_1, q5_1, q8_0_min, q4_k, q5_k and q6_k: each block of 32's scale and min as float32 [N, K / 32] (w = scale q + min; q6_k's
-        scales per 16 weights, [N, K / 16]); for q4_k and q6_k d sc and -(dmin m), each product in float32 as
-        llama.cpp's dequantizers compute it."""
+        """q4_1, q5_1, q8_0_min, q4_k, q5_k and q6_k: each block of 32's scale and min as float32 [N, K / 32]
+        (w = scale q + min; q6_k's scales per 16 weights, [N, K / 16]); for q4_k, q5_k and q6_k d sc and
+        -(dmin m), each product in float32 as llama.cpp's dequantizers compute it."""
         if self.format in ("q4_1", "q5_1", "q8_0_min"):
             return self.scales.float(), self.mins.float()
         n = self.values.shape[0]
@@ -177,8 +177,8 @@ class QuantizedWeight:
 
     @classmethod
     def _from_k_quant_blocks(cls, format: str, blocks: np.ndarray) -> QuantizedWeight:
-        """Q4_K or Q5_K super-blocks [rows, super, 144 or 176] (ggml's block_q4_K: d, dmin, 12 bytes of scales, qs[128];
-        block_q5_K: qh[32] before qs) as "q4_k" or "q5_k" (see the module docstring)."""
+        """Q4_K or Q5_K super-blocks [rows, super, 144 or 176] (ggml's block_q4_K: d, dmin, 12 bytes of scales,
+        qs[128]; block_q5_K: qh[32] before qs) as "q4_k" or "q5_k" (see the module docstring)."""
         rows, supers = blocks.shape[:2]
         d_dmin = np.ascontiguousarray(blocks[:, :, 0:4]).view(np.float16).reshape(rows, supers * 2)
         packed = blocks[:, :, 4:16].astype(np.uint8)
