@@ -35,6 +35,8 @@ from ember.kernels.native import NativeKernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, QuantGemm, load_quant_gemm
 from ember.kernels.quantized_weight import (
     BLOCK,
+    BLOCK_MIN_FORMATS,
+    FIVE_BIT_FORMATS,
     QUANT_FORMATS,
     SUPER_BLOCK_FORMATS,
     QuantizedWeight,
@@ -139,15 +141,17 @@ def random_quantized_weight(format: str, n: int, k: int, generator: torch.Genera
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         weight = QuantizedWeight("int8", values, torch.rand(n, generator=generator) * 0.01)
         return int8_panels(weight) if format == "int8_panels" else weight
-    width = {"q8_0": k, "q5_0": k // 2 + k // 8, "q5_1": k // 2 + k // 8}.get(format, k // 2)  # (whole block pairs)
+    eight_bit = format in ("q8_0", "q8_0_min")
+    # nibbles, and for the five-bit formats 8 bytes of masks per block pair (SmolLM2's widths: whole pairs)
+    width = k if eight_bit else k // 2 + (k // 8 if format in FIVE_BIT_FORMATS else 0)
     values = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=generator)
-    if format == "q8_0":
+    if eight_bit:
         values = values.view(torch.int8)
 
     def block_floats() -> torch.Tensor:
         return (torch.rand(n, k // BLOCK, generator=generator) * 0.01).half()
 
-    return QuantizedWeight(format, values, block_floats(), block_floats() if format in ("q4_1", "q5_1") else None)
+    return QuantizedWeight(format, values, block_floats(), block_floats() if format in BLOCK_MIN_FORMATS else None)
 
 
 def quant(kernels: QuantGemm, rows: int, format: str, panels: bool) -> None:

@@ -213,9 +213,8 @@ class EngineArgs:
         group.add_argument("--quantization", default=defaults.quantization, choices=QUANTIZATION_CHOICES,
                            help="how the Linear layers' weights are held on CPU: none = float in --dtype (a GGUF "
                                 "file's blocks dequantized at load); gguf = a .gguf file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/"
-                                "Q4_K/Q5_K/Q6_K weights kept in their blocks and run by native kernels that dequantize in "
-                                "registers; "
-                                "auto = with a .gguf file on CPU with native kernels, the blocks for "
+                                "Q4_K/Q5_K/Q6_K weights kept in their blocks and run by native kernels that "
+                                "dequantize in registers; auto = with a .gguf file on CPU with native kernels, the blocks for "
                                 "decode-sized batches (read at their 4.5-8.8 bits a weight) and for larger ones "
                                 "the dequantized weights or, in bfloat16 on CPUs with AVX512-VNNI or AMX, int8 "
                                 "copies run with int8 activations (W8A8; with AMX for decode steps of up to 64 "

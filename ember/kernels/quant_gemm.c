@@ -86,6 +86,14 @@ static inline __m256i fifth_bits(uint32_t mask) {
 #endif
 }
 
+// Block b's 32 fifth bits (bit i: weight i's) from a five-bit row of `blocks` blocks: its halves of its pair's masks.
+static inline uint32_t block_fifth_bits(const uint8_t *row, int64_t blocks, int64_t b) {
+    uint32_t masks[2];  // the pair's: the low nibbles' weights (0-15 of each block), then the high ones' (16-31)
+    memcpy(masks, row + blocks * (BLOCK / 2) + b / 2 * 8, sizeof masks);
+    const int shift = (int)(b % 2) * 16;
+    return ((masks[0] >> shift) & 0xFFFF) | ((masks[1] >> shift) & 0xFFFF) << 16;
+}
+
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 // Q4_K's 8 block scales (d sc) and mins (-dmin m) of one super-block, as float32 (as ggml's dequantizer).
@@ -423,7 +431,7 @@ static inline __attribute__((always_inline)) void weight_row_dot(
     }
 
 // Weight rows [n_first, n_last) of out [rows, n_out] = x @ W^T + bias, from x quantized into `a`
-// (quantize_activation_rows with paired = quant_gemm_pairs(format)): what one thread of a parallel region
+// (quantize_activation_rows with paired = packed_nibbles(format)): what one thread of a parallel region
 // does. A weight row is read from memory once, then from cache for the next ROW_TILE activation rows.
 static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, const void *qs, const void *scales,
                             const void *mins, const void *bias, int out_bf16, void *out, int64_t n_out, int64_t k,
@@ -451,8 +459,6 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
     }
 }
 
-static inline int quant_gemm_pairs(int format) { return packed_nibbles(format); }
-
 // A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
 // the scratch its activations are quantized into: room for `scratch_rows` rows of activation_blocks(k) blocks.
 // All fields 8 bytes wide, so that Python lays a table of them out as int64 (decoder_stack_quant.c's layers).
@@ -474,7 +480,7 @@ static void quant_gemm_share(const quant_linear *w, const void *x, int x_bf16, i
     const int format = (int)w->format;
     const quantized_activations a = {w->xq, w->xd, w->xs};
     quantize_activation_rows(x, x_bf16, x_stride, rows * thread / threads, rows * (thread + 1) / threads, k,
-                             quant_gemm_pairs(format), a);
+                             packed_nibbles(format), a);
 #pragma omp barrier
     quant_gemm_rows(format, a, rows, w->qs, w->scales, w->mins, bias, x_bf16, out, n_out, k,
                     n_out * thread / threads, n_out * (thread + 1) / threads);
@@ -551,12 +557,10 @@ void dequantize_weight(int format, const void *qs, const void *scales, const voi
             const uint8_t *row = (const uint8_t *)qs + n * weight_row_bytes(format, k);
             const uint8_t *q = row + b * (BLOCK / 2);
             if (five_bit_format(format)) {
-                uint32_t masks[2];  // the block's pair's: the low nibbles' weights, then the high ones'
-                memcpy(masks, row + blocks * (BLOCK / 2) + b / 2 * 8, sizeof masks);
-                const int shift = (int)(b % 2) * 16;
+                const uint32_t fifth = block_fifth_bits(row, blocks, b);
                 for (int i = 0; i < BLOCK / 2; i++) {
-                    const int low = (q[i] & 0x0F) | (int)((masks[0] >> (shift + i)) & 1) << 4;
-                    const int high = (q[i] >> 4) | (int)((masks[1] >> (shift + i)) & 1) << 4;
+                    const int low = (q[i] & 0x0F) | (int)((fifth >> i) & 1) << 4;
+                    const int high = (q[i] >> 4) | (int)((fifth >> (BLOCK / 2 + i)) & 1) << 4;
                     // multiply, then add: the panels' arithmetic
                     store_value(out, out_bf16, first + i, format == Q5_0 ? d * (float)(low - 16) : d * (float)low + m);
                     store_value(out, out_bf16, first + i + BLOCK / 2,

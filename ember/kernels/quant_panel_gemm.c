@@ -157,11 +157,8 @@ static inline void q5_lines(int format, const uint8_t *row, int64_t blocks, int6
         const __m128i packed = _mm_loadu_si128((const __m128i *)(r + b * (BLOCK / 2)));
         const __m256i nibbles = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));  // weights 0-15, 16-31
-        uint32_t masks[2];  // the block's pair's: the low nibbles' weights, then the high ones'
-        memcpy(masks, r + blocks * (BLOCK / 2) + b / 2 * 8, sizeof masks);
-        const int shift = (int)(b % 2) * 16;
-        const uint32_t bits = ((masks[0] >> shift) & 0xFFFF) | ((masks[1] >> shift) & 0xFFFF) << 16;
-        _mm256_store_si256((__m256i *)q[i], _mm256_sub_epi8(_mm256_or_si256(nibbles, fifth_bits(bits)), offset));
+        const __m256i fifth = fifth_bits(block_fifth_bits(r, blocks, b));
+        _mm256_store_si256((__m256i *)q[i], _mm256_sub_epi8(_mm256_or_si256(nibbles, fifth), offset));
     }
     int8_lines(&q[0][0], BLOCK, scales, scales, format == Q5_0 ? NULL : mins, lines);
 }

@@ -52,6 +52,7 @@ QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
 NIBBLE_FORMATS = ("q4_0", "q4_1", "q4_k")
 FIVE_BIT_FORMATS = ("q5_0", "q5_1", "q5_k")  # Q4_0's nibbles, then the fifth bits
 SUPER_BLOCK_FORMATS = ("q4_k", "q5_k", "q6_k")  # their rows are whole super-blocks
+BLOCK_MIN_FORMATS = ("q4_1", "q5_1", "q8_0_min")  # an fp16 min per block of 32 in `mins`
 PANEL_OUTPUTS, W8A8_GROUP = 32, 64  # w8a8_panel_gemm.c: outputs per panel, activations per int8 scale
 # GGUF block type name -> (format, bytes per block: fp16 scale, fp16 min for Q4_1, then the values)
 GGUF_BLOCK_FORMATS = {
@@ -141,7 +142,7 @@ class QuantizedWeight:
         """q4_1, q5_1, q8_0_min, q4_k, q5_k and q6_k: each block of 32's scale and min as float32 [N, K / 32]
         (w = scale q + min; q6_k's scales per 16 weights, [N, K / 16]); for q4_k, q5_k and q6_k d sc and
         -(dmin m), each product in float32 as llama.cpp's dequantizers compute it."""
-        if self.format in ("q4_1", "q5_1", "q8_0_min"):
+        if self.format in BLOCK_MIN_FORMATS:
             return self.scales.float(), self.mins.float()
         n = self.values.shape[0]
         if self.format == "q6_k":

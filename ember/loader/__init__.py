@@ -20,8 +20,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto",
 
     `device` only decides what dtype "auto" means; tensors are returned on the CPU. quantization "gguf"
     keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K Linear weights in their blocks
-    (ember/loader/gguf.py); it needs a .gguf file. "auto" keeps them too where the file is a .gguf one (the model runner adds their dequantized
-    weights). Raises ModelLoadError with a message naming the problem on any bad input."""
+    (ember/loader/gguf.py); it needs a .gguf file. "auto" keeps them too where the file is a .gguf one (the model
+    runner adds their dequantized weights). Raises ModelLoadError with a message naming the problem on any bad input."""
     path = resolve_model(model)
     if quantization == "gguf" and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"--quantization gguf keeps a GGUF file's quantized blocks, and {path} is not a .gguf "

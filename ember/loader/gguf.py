@@ -3,8 +3,8 @@
 Weights are read when the model asks for them, whole or by rows or columns (dequantized to the model dtype), so
 a tensor-parallel rank reads only its slice. With quantization="gguf" the Linear layers' weights of the block
 types Ember's kernels run (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in their blocks (QuantizedWeight,
-taken whole), and a tied output layer gets its own quantized lm_head.weight from the embedding's blocks (the embedding itself, a
-lookup table, is dequantized)."""
+taken whole), and a tied output layer gets its own quantized lm_head.weight from the embedding's blocks (the
+embedding itself, a lookup table, is dequantized)."""
 
 from __future__ import annotations
 

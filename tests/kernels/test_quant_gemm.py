@@ -16,7 +16,14 @@ from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_flags, cpu_isa_level, level_at_least
 from ember.kernels.native import load_native_kernels
 from ember.kernels.quant_gemm import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS, QuantGemm
-from ember.kernels.quantized_weight import BLOCK, W8A8_GROUP, QuantizedWeight, cat_rows, int8_panels
+from ember.kernels.quantized_weight import (
+    BLOCK,
+    BLOCK_MIN_FORMATS,
+    W8A8_GROUP,
+    QuantizedWeight,
+    cat_rows,
+    int8_panels,
+)
 
 LEVELS = [level for level in ISA_LEVELS[1:] if level_at_least(cpu_isa_level(), level)]
 # "q4_k+q6_k": Q4_K rows fused with Q6_K ones (a Q4_K_M file's q, k and v), one q6_k weight with mins; "q5_1+q8_0":
@@ -98,7 +105,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, t
     if weight.format == "int8":
         terms = dots * d[:, None, :] * weight.scales.double()[None, :, None]
     else:
-        with_mins = weight.format in ("q4_1", "q5_1", "q8_0_min", "q4_k", "q5_k")
+        with_mins = weight.format in (*BLOCK_MIN_FORMATS, "q4_k", "q5_k")
         scales, mins = weight.block_scales_and_mins() if with_mins else (weight.scales, None)
         dw = scales.double()[None]
         terms = dw * d[:, None, :] * dots
