@@ -6,6 +6,8 @@
 # Issue 3's table (200-token prompts, 128 out, 64 requests at c=32 and c=8, 16 at c=1), ROUNDS times (default
 # 2), vLLM first in each pair; fresh prompts per round, the same for both servers within it. Needs what
 # run_vs_vllm.sh needs. The idle server waits on its sockets: check with `ps` that it takes no CPU.
+# vLLM runs in its best dtype for this CPU: bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere
+# (emulated bfloat16 is about 2x slower there; ../shared/peers/README.md); VLLM_DTYPE overrides it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_vs_vllm_interleaved.sh OUTDIR [ROUNDS]}
@@ -13,7 +15,9 @@ rounds=${2:-2}
 mkdir -p "$out"
 source benchmarks/serving/back_to_back.sh
 
-start_vllm vllm bfloat16 || exit 1
+vllm_dtype=${VLLM_DTYPE:-$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo float32)}
+echo "vLLM dtype: $vllm_dtype" | tee "$out/vllm-dtype.txt"
+start_vllm vllm "$vllm_dtype" || exit 1
 vllm_pid=$server_pid
 start_ember ember || { server_pid=$vllm_pid; stop_server; exit 1; }
 ember_pid=$server_pid

@@ -459,6 +459,8 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
     }
 }
 
+#include "w8a8_f32_gemm.c"
+
 // A Linear's quantized weight as quant_gemm_share takes it (quant_gemm's arguments of the same names), with
 // the scratch its activations are quantized into: room for `scratch_rows` rows of activation_blocks(k) blocks.
 // All fields 8 bytes wide, so that Python lays a table of them out as int64 (decoder_stack_quant.c's layers).
@@ -476,8 +478,12 @@ typedef struct {
 // region add one (decoder_stack_quant.c).
 static void quant_gemm_share(const quant_linear *w, const void *x, int x_bf16, int64_t x_stride, const void *bias,
                              void *out, int64_t rows, int64_t n_out, int64_t k) {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
     const int format = (int)w->format;
+    if (format == INT8_PANELS && !x_bf16) {  // float32 batches on int8 copies (no barrier: see w8a8_f32_gemm.c)
+        w8a8_f32_gemm_share(w->qs, w->scales, x, x_stride, bias, out, (int)rows, n_out, k);
+        return;
+    }
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
     const quantized_activations a = {w->xq, w->xd, w->xs};
     quantize_activation_rows(x, x_bf16, x_stride, rows * thread / threads, rows * (thread + 1) / threads, k,
                              packed_nibbles(format), a);

@@ -30,6 +30,9 @@ _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
 PANEL_GEMV_MAX_ROWS = 4
+# On AVX2, float32 batches of more rows than this run faster on int8 copies of the weights (w8a8_f32_gemm.c) than
+# on the blocks' GEMV, where a Linear holds both (docs/benchmarks.md, issue 14).
+AVX2_W8A8_GEMV_MAX_ROWS = 2
 # The most rows for which AMX's int8 tiles (w8a8_panel_gemm.c: a tile store and a float32 rescale per group of
 # 64) beat the bfloat16 tiles; with VNNI int8 activations are faster at every row count (docs/benchmarks.md).
 AMX_W8A8_MAX_ROWS = 64
@@ -47,9 +50,12 @@ class QuantGemm:
         self.panel_gemm_name = (
             ("amx" if level_at_least(level, "amx") else "avx512_bf16") if library.quant_panel_gemm_supported() else None
         )
-        # Where int8 weights past the GEMV run with int8 activations (w8a8_panel_gemm.c) rather than on bfloat16
-        # panels: the tiles' name, or None.
+        # Where int8 weights past the GEMV run with int8 activations rather than on bfloat16 panels
+        # (w8a8_panel_gemm.c) or float32 weights (on AVX2, whose float32 GEMM has half AVX-512's lanes:
+        # w8a8_f32_gemm.c): the kernel's name, or None.
         self.w8a8_name = {0: None, 1: "w8a8_vnni", 2: "w8a8_amx"}[library.quant_panel_gemm_w8a8()]
+        if level == "avx2":
+            self.w8a8_name = "w8a8_avx2"
         # The most rows int8_panels weights should take (they take any number).
         self.w8a8_max_rows = AMX_W8A8_MAX_ROWS if self.w8a8_name == "w8a8_amx" else ANY_ROWS
         # (format, x, [x_bf16,] x_stride, rows, qs, scales, mins, bias, out, n, k, threads): the panels take bfloat16 x only.
@@ -80,12 +86,24 @@ class QuantGemm:
         """Whether int8 weights past the GEMV run with int8 activations (w8a8_name is not None)."""
         return self.w8a8_name is not None
 
-    def gemv_max_rows(self, dtype: torch.dtype) -> int:
-        """The most rows linear() gives the GEMV for activations of `dtype`."""
+    def runs_w8a8(self, dtype: torch.dtype) -> bool:
+        """Whether batches of activations of `dtype` past the GEMV run int8 weights with int8 activations:
+        bfloat16 on VNNI or AMX, float32 on AVX2."""
+        if dtype == torch.float32:
+            return self.w8a8_name == "w8a8_avx2"
+        return dtype == torch.bfloat16 and self.w8a8_name in ("w8a8_vnni", "w8a8_amx")
+
+    def gemv_max_rows(self, dtype: torch.dtype, beside_int8: bool = False) -> int:
+        """The most rows linear() gives the GEMV for activations of `dtype`; `beside_int8`: for a weight that
+        has an int8 copy (Linear.batch_quantized) for larger batches."""
+        if beside_int8 and dtype == torch.float32 and self.w8a8_name == "w8a8_avx2":
+            return AVX2_W8A8_GEMV_MAX_ROWS
         return PANEL_GEMV_MAX_ROWS if self.panel_gemm_name and dtype == torch.bfloat16 else GEMV_MAX_ROWS
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
+        if weight.format == "int8_panels" and self.w8a8_name == "w8a8_avx2":  # any rows, float32
+            return self.gemm(x.float().contiguous(), weight, None if bias is None else bias.float()).to(x.dtype)
         if weight.format == "int8_panels":  # batches only; any rows, bfloat16
             return self.panel_gemm(x.bfloat16().contiguous(), weight,
                                    None if bias is None else bias.bfloat16()).to(x.dtype)
@@ -109,8 +127,9 @@ class QuantGemm:
                 f"quantized GEMM needs float32 or bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
-        if weight.format == "int8_panels":
-            raise ValueError("int8_panels weights run on panel_gemm only (the GEMV reads weights by rows)")
+        if weight.format == "int8_panels" and (self.w8a8_name != "w8a8_avx2" or x.dtype != torch.float32):
+            raise ValueError("int8_panels weights run on panel_gemm only (the GEMV reads weights by rows), or in "
+                             "float32 on AVX2")
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             raise ValueError(
                 f"quantized GEMM needs a contiguous bias of x's dtype {x.dtype}, got {bias.dtype}"
@@ -141,18 +160,20 @@ class QuantGemm:
                  torch.get_num_threads())
         return out
 
-    def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype, gemv: bool = True) -> LinearDescriptors:
+    def descriptors(self, weights: list[QuantizedWeight], dtype: torch.dtype, gemv: bool = True,
+                    beside_int8: bool = False) -> LinearDescriptors:
         """quant_gemm.c's quant_linear for each of `weights` with activations of `dtype`, all sharing one
         activation scratch for the GEMV's rows (for decoder_stack_quant*.c: its Linears run one after another;
         in bfloat16 with panels, it takes any number of rows). With gemv=False (bfloat16 with panels only),
-        every row count runs on the panels, so that each row's values do not depend on the step's size."""
+        every row count runs on the panels, so that each row's values do not depend on the step's size;
+        `beside_int8`: the weights have int8 copies for larger steps (gemv_max_rows)."""
         panels = self.panel_gemm_name is not None and dtype == torch.bfloat16
         if not gemv and not panels:
             raise ValueError(f"quantized weights without the GEMV need bfloat16 panels (ISA level {self.level}, {dtype})")
-        gemv_rows = self.gemv_max_rows(dtype) if gemv else 0
+        gemv_rows = self.gemv_max_rows(dtype, beside_int8) if gemv else 0
         max_rows = ANY_ROWS if panels else gemv_rows
         if weights[0].format == "int8_panels":
-            max_rows = min(max_rows, self.w8a8_max_rows)
+            max_rows = self.w8a8_max_rows
         max_k = max(weight.shape[1] for weight in weights)
         scratch = torch.empty(self._scratch_bytes(gemv_rows, max_k), dtype=torch.uint8)
         table = torch.empty(len(weights), _DESCRIPTOR_FIELDS, dtype=torch.int64)

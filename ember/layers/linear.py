@@ -53,7 +53,7 @@ class Linear(nn.Linear):
         # With two (--quantization auto), the blocks take the GEMV's batches and the int8 (up to its most rows,
         # then the blocks' panels again) or float weight the rest.
         if self.quantized is not None:
-            if x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype):
+            if x.shape[0] <= self.quant_gemm.gemv_max_rows(x.dtype, self.batch_quantized is not None):
                 return self.quant_gemm.linear(x, self.quantized, self.bias)
             if self.batch_quantized is not None and x.shape[0] <= self.quant_gemm.w8a8_max_rows:
                 return self.quant_gemm.linear(x, self.batch_quantized, self.bias)
@@ -108,10 +108,10 @@ def attach_quant_gemm(model: nn.Module, kernels: str) -> QuantGemm | None:
 def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch.dtype) -> QuantGemm | None:
     """--quantization auto: every Linear of `model` that came in quantized blocks (a GGUF file) keeps them for
     decode-sized batches (QuantGemm's GEMV: a fraction of the bytes) and takes a second weight for larger ones,
-    where the arithmetic outweighs the bytes: in bfloat16 on a CPU whose quantized panels run int8 weights with
-    int8 activations (QuantGemm.panel_w8a8), the weight dequantized and re-quantized to int8 per output channel
-    (twice the multiply-adds per instruction of bfloat16); elsewhere the weight dequantized to `dtype`, for the
-    float GEMM. Where the quantized kernels cannot run, the blocks are dropped (--quantization none). The
+    where the arithmetic outweighs the bytes: where batches of `dtype` run int8 weights with int8 activations
+    (QuantGemm.runs_w8a8: bfloat16 with VNNI or AMX, float32 on AVX2), the weight dequantized and re-quantized to
+    int8 per output channel (more multiply-adds per instruction than bfloat16 or float32); elsewhere the weight
+    dequantized to `dtype`, for the float GEMM. Where the quantized kernels cannot run, the blocks are dropped (--quantization none). The
     quantized GEMM, or None."""
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     if not quantized:
@@ -121,7 +121,7 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
     except EmberError as exc:
         logger.info("quantization auto: the GGUF blocks are dequantized at load (%s)", exc)
         quant_gemm = None
-    w8a8 = quant_gemm is not None and quant_gemm.panel_w8a8 and dtype == torch.bfloat16
+    w8a8 = quant_gemm is not None and quant_gemm.runs_w8a8(dtype)
     block_bytes = sum(module.quantized.nbytes for module in quantized)
     for module in quantized:
         if w8a8 and module.in_features % W8A8_GROUP == 0 and module.out_features % PANEL_OUTPUTS == 0:
@@ -138,8 +138,8 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
         floats = [m.weight for m in quantized if m.weight is not None]
         logger.info("quantization auto: %d Linear weights keep their blocks (%.1f MiB) for up to %d rows; larger "
                     "batches run %d on int8 copies with int8 activations (%.1f MiB) and %d on weights dequantized "
-                    "to %s (%.1f MiB)", len(quantized), block_bytes / 2**20, quant_gemm.gemv_max_rows(dtype),
-                    len(batch), sum(w.nbytes for w in batch) / 2**20, len(floats), dtype,
+                    "to %s (%.1f MiB)", len(quantized), block_bytes / 2**20,
+                    quant_gemm.gemv_max_rows(dtype, bool(batch)), len(batch), sum(w.nbytes for w in batch) / 2**20, len(floats), dtype,
                     sum(w.nbytes for w in floats) / 2**20)
     return quant_gemm
 
@@ -152,7 +152,8 @@ def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dt
     formats = sorted({m.quantized.format for m in linears if m.quantized is not None})
     floats = sum(m.quantized is None for m in linears)
     w8a8 = f"int8 activations per {W8A8_GROUP} ({quant_gemm.w8a8_name})"
-    if any(m.batch_quantized is not None for m in linears):
+    beside_int8 = any(m.batch_quantized is not None for m in linears)
+    if beside_int8:
         larger = f"int8 copies of the weights with {w8a8}"
         if quant_gemm.w8a8_max_rows < ANY_ROWS:
             larger += f" up to {quant_gemm.w8a8_max_rows} rows, then bfloat16 panels on {quant_gemm.panel_gemm_name}"
@@ -165,7 +166,7 @@ def quantized_gemm_path(model: nn.Module, quant_gemm: QuantGemm, dtype: torch.dt
     else:
         larger = "dequantized + torch"
     return (f"native_quant_{quant_gemm.level} ({'+'.join(formats)}, {quant_gemm.dot_product}; up to "
-            f"{quant_gemm.gemv_max_rows(dtype)} rows, else {larger}"
+            f"{quant_gemm.gemv_max_rows(dtype, beside_int8)} rows, else {larger}"
             f"{f'; {floats} float Linear(s)' if floats else ''})")
 
 
@@ -185,10 +186,10 @@ def quantized_stack_path(model: nn.Module, stack_name: str, dtype: torch.dtype, 
     if all(m.batch_quantized is not None for m in linears):
         if quant_gemm.w8a8_max_rows < ANY_ROWS:
             return (f"{stack_name}_quant (every step: decode steps on the blocks up to "
-                    f"{quant_gemm.gemv_max_rows(dtype)} rows, else the int8 copies up to {quant_gemm.w8a8_max_rows}; "
-                    f"steps with prompt tokens and larger ones on the blocks' panels)")
-        return (f"{stack_name}_quant (every step: the blocks up to {quant_gemm.gemv_max_rows(dtype)} rows, else the "
-                f"int8 copies)")
+                    f"{quant_gemm.gemv_max_rows(dtype, True)} rows, else the int8 copies up to "
+                    f"{quant_gemm.w8a8_max_rows}; steps with prompt tokens and larger ones on the blocks' panels)")
+        return (f"{stack_name}_quant (every step: the blocks up to {quant_gemm.gemv_max_rows(dtype, True)} rows, "
+                f"else the int8 copies)")
     if all(m.weight is not None for m in linears):
         return f"{stack_name}_quant (steps of up to {quant_gemm.gemv_max_rows(dtype)} rows), else {float_stack}"
     if quant_gemm.panel_gemm_name is not None and dtype == torch.bfloat16:

@@ -168,8 +168,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         hidden = self._embed(input_ids)
         # The decoder stack runs every layer in one call, with no point to all-reduce at: op by op under TP.
-        if (self.native is not None and self.native.has_decoder_stack and self.tp is None
-                and len(input_ids) <= self.native.decoder_stack_max_rows):
+        if self.native is not None and self.native.has_decoder_stack and self.tp is None:
             stacked = self._run_decoder_stack(hidden, cos, sin, attn_metadata, kv_caches)
             if stacked is not None:
                 return stacked
@@ -232,14 +231,16 @@ class LlamaForCausalLM(nn.Module):
             # and a repeated greedy request its answer; decode steps take the first whose rows they fit.
             candidates: list[tuple[int, LinearDescriptors | list[int]]] = []  # (most rows, weights)
             blocks = batch = panels = None
+            beside_int8 = all(p.batch_quantized is not None for p in linears)
             if all(p.quantized is not None and p.quant_gemm is not None for p in linears):
-                blocks = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype)
+                blocks = linears[0].quant_gemm.descriptors([p.quantized for p in linears], self.native.dtype,
+                                                           beside_int8=beside_int8)
                 candidates.append((blocks.gemv_rows, blocks))
-            if all(p.batch_quantized is not None for p in linears):
+            if beside_int8:
                 batch = linears[0].quant_gemm.descriptors([p.batch_quantized for p in linears], self.native.dtype)
                 candidates.append((batch.max_rows, batch))
-            if all(p.gemm_weight is not None for p in linears):
-                candidates.append((ANY_ROWS, [p.gemm_weight.data_ptr() for p in linears]))
+            if all(p.gemm_weight is not None for p in linears):  # (in float32 on AVX2, small steps only)
+                candidates.append((self.native.decoder_stack_max_rows, [p.gemm_weight.data_ptr() for p in linears]))
             if blocks is not None and len(candidates) == 1:  # the blocks alone: the GEMV, then their panels
                 candidates = [(blocks.max_rows, blocks)]
             elif blocks is not None and candidates[-1][0] < ANY_ROWS and blocks.max_rows == ANY_ROWS:

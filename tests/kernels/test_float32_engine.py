@@ -12,6 +12,8 @@ import pytest
 from ember import LLM, SamplingParams
 from ember.kernels.build import compiler
 from ember.kernels.cpu import ISA_LEVELS, cpu_isa_level, level_at_least
+from ember.kernels.native import ANY_ROWS
+from ember.kernels.quant_gemm import AVX2_W8A8_GEMV_MAX_ROWS
 from tests.conftest import build_tiny_model_dir
 from tests.kernels.test_decoder_stack import count_stack_calls
 
@@ -86,22 +88,23 @@ def test_smollm2_greedy_is_token_exact(smollm2_gguf_path: Path, smollm2_referenc
 @pytest.mark.slow
 def test_smollm2_auto_quantization_in_float32_reads_the_blocks_for_decodes(smollm2_gguf_path: Path) -> None:
     """--quantization auto in float32 (CPUs without native bfloat16 default to it), forced to AVX2: steps of up to
-    16 rows run decoder_stack_quant_f32.c's GEMV on the Q4_1/Q8_0 blocks, larger ones the float32 stack on the
-    weights dequantized at load."""
+    2 rows run decoder_stack_quant_f32.c's GEMV on the Q4_1/Q8_0 blocks, larger ones the same stack on int8
+    copies of the weights with int8 activations (w8a8_f32_gemm.c)."""
     if compiler() is None or "avx2" not in LEVELS:
         pytest.skip("the float32 kernels need a C compiler and AVX2")
     llm = LLM(str(smollm2_gguf_path), dtype="float32", kernels="avx2", num_threads=2, enable_prefix_caching=False,
               max_num_seqs=2, max_num_batched_tokens=64)
     paths = llm.engine.runner.kernel_paths
-    assert paths["gemm"] == ("native_quant_avx2 (q4_1+q8_0, avx2_maddubs; up to 16 rows, else the dequantized "
-                             "weights on native_avx2 (every row count in the decoder stack; op by op up to 32 rows, "
-                             "else torch))")
-    assert paths["decoder_stack"] == ("native_avx2_quant (steps of up to 16 rows), else native_avx2 (steps of up to "
-                                      "64 rows, else op by op)")
-    stack = llm.engine.runner.model.native.decoder_stack
-    quantized_calls = []
-    llm.engine.runner.model.native.decoder_stack = lambda *args: quantized_calls.append(args[-1]) or stack(*args)
+    assert paths["gemm"] == ("native_quant_avx2 (q4_1+q8_0, avx2_maddubs; up to 2 rows, else int8 copies of the "
+                             "weights with int8 activations per 64 (w8a8_avx2))")
+    assert paths["decoder_stack"] == ("native_avx2_quant (every step: the blocks up to 2 rows, else the int8 "
+                                      "copies)")
+    model = llm.engine.runner.model
+    stack = model.native.decoder_stack
+    tables = []
+    model.native.decoder_stack = lambda *args: tables.append(args[0].data_ptr()) or stack(*args)
     prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a king who"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     assert "Paris" in outputs[0].outputs[0].text
-    assert True in quantized_calls and False in quantized_calls
+    most_rows = {table.data_ptr(): rows for rows, table, _ in model._stack_layers[1].choices}
+    assert sorted({most_rows[table] for table in tables}) == [AVX2_W8A8_GEMV_MAX_ROWS, ANY_ROWS]

@@ -1,0 +1,145 @@
+// int8 weights in the W8A8 panel layout (INT8_PANELS: w + 128 as [n / 32][2][k / 4][16][4] bytes, one float
+// scale per output row; w8a8_panel_gemm.c) times float32 rows with int8 activations, on AVX2 vectors: where
+// `--dtype auto` picks float32 on a CPU without AVX-512 (AMD Zen 2/3, Intel client cores), batches past the
+// GEMV's rows run on int8 copies of the weights instead of float32 ones (docs/benchmarks.md, issue 14).
+//
+// AVX2 has no VNNI. vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16, which w +
+// 128 (up to 255) times an activation (up to 127) could overflow. So the activation's sign moves onto the weight:
+// |q| (unsigned, at most 127) times w carrying q's sign (vpsignb; |w| <= 127) sums a pair to at most 2 * 127 *
+// 127 < 2^15, exactly, and vpmaddwd by ones widens the pairs to int32. Activations are quantized per row and
+// group of W8A8_GROUP as w8a8_panel_gemm.c's are (s = max |x| / 127, q = round(x * (1 / s)) to nearest even),
+// and with the signed weights no offset term is needed:
+//   y = scale_n * (sum over groups of s_g * dot_g(w, q)) + bias,
+// each group's dot product exact in int32, then each product and sum in float32 in that order.
+//
+// Included by quant_gemm.c; needs only AVX2.
+
+#define W8A8_F32_GROUP 64
+#define W8A8_F32_ROWS 4       // rows per register tile: 4 x 2 int32 accumulators, 2 weight vectors, 4 helpers
+#define W8A8_F32_OUTPUTS 16   // outputs per tile: half a panel, one 64-byte line per 4 k
+#define W8A8_F32_PREFETCH 4096  // bytes of weights requested ahead by a half panel's first tile
+
+// This thread's quantized activations, grown as a step's rows need (kept from call to call, like
+// w8a8_panel_gemm.c's).
+static __thread uint8_t *w8a8_f32_scratch;
+static __thread size_t w8a8_f32_scratch_bytes;
+
+// x [rows, k] (float32, row stride x_stride) -> q [rows, k] int8 and scales [rows, k / W8A8_F32_GROUP].
+static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, int64_t k, int8_t *q,
+                                   float *scales) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const int64_t groups = k / W8A8_F32_GROUP;
+    for (int r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *values = x + r * x_stride + g * W8A8_F32_GROUP;
+            __m256 v[W8A8_F32_GROUP / 8];
+            __m256 amax = _mm256_setzero_ps();
+            for (int i = 0; i < W8A8_F32_GROUP / 8; i++) {
+                v[i] = _mm256_loadu_ps(values + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+            }
+            __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_max_ss(half, _mm_movehdup_ps(half));
+            const float scale = _mm_cvtss_f32(half) / 127.0f;
+            const __m256 inverse = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+            int8_t *out = q + r * k + g * W8A8_F32_GROUP;
+            for (int i = 0; i < W8A8_F32_GROUP / 16; i++) {  // 16 values: two vectors of int32 packed to bytes
+                const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], inverse));
+                const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i + 1], inverse));
+                const __m256i words = _mm256_packs_epi32(low, high);  // per 128-bit lane: low 0-3, high 0-3, ...
+                const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+                // bytes: low 0-3, high 0-3, low 4-7, high 4-7 -> 32-bit groups in order 0, 2, 1, 3
+                _mm_storeu_si128((__m128i *)(out + 16 * i), _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
+            }
+            scales[r * groups + g] = scale;
+        }
+}
+
+// Rows [0, rows) (a constant up to W8A8_F32_ROWS) of q times one half panel (16 outputs; `lines`: its k / 4
+// lines of 64 bytes) into out's 16 columns (row stride n), plus bias (16 values or NULL), times col_scales. With
+// `prefetch` (the half panel's first tile, which reads it from memory), the weights W8A8_F32_PREFETCH bytes
+// ahead are requested along the way: the hardware prefetcher alone leaves a decode's single stream per thread
+// at about half the memory bandwidth.
+static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q, const float *x_scales, int64_t k,
+                                                               const uint8_t *lines, int prefetch,
+                                                               const float *col_scales, const float *bias,
+                                                               float *out, int64_t n, const int rows) {
+    const int64_t groups = k / W8A8_F32_GROUP;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    float sums[W8A8_F32_ROWS][W8A8_F32_OUTPUTS] __attribute__((aligned(32))) = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[W8A8_F32_ROWS][2];
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (int64_t p = g * W8A8_F32_GROUP / 4; p < (g + 1) * W8A8_F32_GROUP / 4; p++) {
+            if (prefetch) _mm_prefetch((const char *)(lines + p * 64) + W8A8_F32_PREFETCH, _MM_HINT_T0);
+            // outputs 0-7 and 8-15, 4 k each, as signed bytes (w + 128 XOR 0x80 = w)
+            const __m256i w0 = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(lines + p * 64)), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(lines + p * 64 + 32)), flip);
+            for (int m = 0; m < rows; m++) {
+                const __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(q + m * k + 4 * p));
+                const __m256i magnitude = _mm256_abs_epi8(x4);
+                acc[m][0] = _mm256_add_epi32(
+                    acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, x4)), ones));
+                acc[m][1] = _mm256_add_epi32(
+                    acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w1, x4)), ones));
+            }
+        }
+        for (int m = 0; m < rows; m++) {
+            const __m256 scale = _mm256_set1_ps(x_scales[m * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][h]), scale);
+                _mm256_store_ps(sums[m] + 8 * h, _mm256_add_ps(_mm256_load_ps(sums[m] + 8 * h), scaled));
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 s = _mm256_loadu_ps(col_scales + 8 * h);
+        const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+        for (int m = 0; m < rows; m++)
+            _mm256_storeu_ps(out + m * n + 8 * h, _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(sums[m] + 8 * h), s), b));
+    }
+}
+
+static void w8a8_f32_rows(const int8_t *q, const float *x_scales, int64_t k, const uint8_t *lines, int prefetch,
+                          const float *col_scales, const float *bias, float *out, int64_t n, int rows) {
+#define W8A8_F32_TILE(ROWS) w8a8_f32_tile(q, x_scales, k, lines, prefetch, col_scales, bias, out, n, ROWS)
+    switch (rows) {
+        case 4: W8A8_F32_TILE(4); break;
+        case 3: W8A8_F32_TILE(3); break;
+        case 2: W8A8_F32_TILE(2); break;
+        default: W8A8_F32_TILE(1); break;
+    }
+#undef W8A8_F32_TILE
+}
+
+// out [rows, n] = x [rows, k] (float32, row stride x_stride) @ W^T + bias (float32 or NULL), W the INT8_PANELS
+// weight `panels` with per-row `col_scales`, n a multiple of 32 and k of W8A8_F32_GROUP: this thread's
+// contiguous run of half panels, every row of them (the half panel stays in L1 from one row tile to the next).
+// Every thread quantizes all the rows itself (rows x k operations against the GEMM's rows x k x n / threads),
+// so that no barrier is needed; none at the end either: callers inside a region add one.
+static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, const float *x, int64_t x_stride,
+                                const float *bias, float *out, int rows, int64_t n, int64_t k) {
+    const int64_t halves = n / W8A8_F32_OUTPUTS, thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t begin = halves * thread / threads, end = halves * (thread + 1) / threads;
+    if (begin == end) return;
+    const int64_t groups = k / W8A8_F32_GROUP;
+    const size_t bytes = (size_t)rows * ((size_t)groups * sizeof(float) + (size_t)k);
+    if (bytes > w8a8_f32_scratch_bytes) {
+        free(w8a8_f32_scratch);
+        w8a8_f32_scratch_bytes = (bytes + 63) / 64 * 64;
+        w8a8_f32_scratch = aligned_alloc(64, w8a8_f32_scratch_bytes);
+    }
+    float *x_scales = (float *)w8a8_f32_scratch;
+    int8_t *q = (int8_t *)(x_scales + (size_t)rows * (size_t)groups);
+    w8a8_f32_quantize_rows(x, x_stride, rows, k, q, x_scales);
+    for (int64_t h = begin; h < end; h++) {
+        // Half h: panel h / 2's half h % 2, whose k / 4 lines follow each other.
+        const uint8_t *lines = (const uint8_t *)panels + (h / 2) * 2 * W8A8_F32_OUTPUTS * k + (h % 2) * (k / 4) * 64;
+        for (int first = 0; first < rows; first += W8A8_F32_ROWS)
+            w8a8_f32_rows(q + (int64_t)first * k, x_scales + first * groups, k, lines, first == 0,
+                          (const float *)col_scales + h * 16,
+                          bias ? bias + h * 16 : NULL, out + (int64_t)first * n + h * 16, n,
+                          rows - first < W8A8_F32_ROWS ? rows - first : W8A8_F32_ROWS);
+    }
+}
