@@ -80,12 +80,12 @@ def per_call_best(calls: list[Callable[[], object]], repetitions: int = 10) -> f
 def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, queries: int) -> None:
     blocks_per_seq = -(-context // block_size)
     num_blocks = seqs * blocks_per_seq + 8
-    caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16).unbind(0)
+    caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=kernels.dtype).unbind(0)
     ids = list(range(num_blocks))
     random.Random(0).shuffle(ids)
     tables = torch.tensor([ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(seqs)])
     context_lens = torch.full((seqs,), context, dtype=torch.int64)
-    q = torch.randn(seqs * queries, KV_HEADS * QUERIES_PER_KV, HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.randn(seqs * queries, KV_HEADS * QUERIES_PER_KV, HEAD_DIM, dtype=kernels.dtype)
     query_starts = torch.arange(0, seqs * queries + 1, queries, dtype=torch.int64)
 
     def run() -> None:
@@ -96,7 +96,7 @@ def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, 
                 kernels.paged_prefill_attention(q, cache, tables, query_starts, context_lens, HEAD_DIM**-0.5)
 
     seconds = best_time(run)
-    kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * caches[0].element_size()
     kind = "decode attention" if queries == 1 else f"prompt-chunk attention ({queries} queries per sequence)"
     print(f"{kind}, {seqs} x {context} tokens, {block_size}-token blocks: {seconds * 1e3:.2f} ms "
           f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
@@ -190,7 +190,8 @@ def main() -> None:
     parser.add_argument("--hot", action="store_true", help="gemm: one weight per shape, repeated, so it stays in cache")
     parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
     parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gemm: the dtype")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="gemm and attention: the dtype (the KV cache's too)")
     # The K-quants' rows are whole super-blocks of 256, which SmolLM2's widths (576) are not.
     parser.add_argument("--format", choices=[f for f in QUANT_FORMATS if f not in SUPER_BLOCK_FORMATS], default="q4_1",
                         help="quant: weight format")

@@ -3,7 +3,8 @@
 // (f32_simd.h). HEAD_DIM (a multiple of 16) and QUERIES_PER_KV are compile-time constants (build.py).
 //
 // One task per (query token, KV head): the token's QUERIES_PER_KV query heads stream their keys once, TILE
-// keys at a time, with an online softmax (flash-decoding), then the tile's V rows into float32 accumulators.
+// keys at a time, with an online softmax (flash-decoding; the tile's exponentials by f32_simd.h's vexp, as
+// the bfloat16 kernel's, not a libm call per key), then the tile's V rows into float32 accumulators.
 // A prompt chunk's query at position p attends keys [0, p] (causal); a decode query all of its sequence's.
 #include <math.h>
 #include <omp.h>
@@ -48,10 +49,10 @@ static void attend_group(const float *q, float *out, const float *cache, const i
             for (int i = 0; i < valid; i++) new_max = scores[g][i] > new_max ? scores[g][i] : new_max;
             const float correction = expf(running_max[g] - new_max);
             running_sum[g] *= correction;
-            for (int i = 0; i < valid; i++) {
-                scores[g][i] = expf(scores[g][i] - new_max);
-                running_sum[g] += scores[g][i];
-            }
+            for (int i = valid; i < TILE; i++) scores[g][i] = -INFINITY;  // a short tile's unused lanes
+            for (int i = 0; i < TILE; i += LANES)
+                vstore(scores[g] + i, vexp(vadd(vload(scores[g] + i), vset1(-new_max))));
+            for (int i = 0; i < valid; i++) running_sum[g] += scores[g][i];
             running_max[g] = new_max;
             for (int c = 0; c < CHUNKS; c++) acc[g][c] = vmul(acc[g][c], vset1(correction));
         }
