@@ -167,6 +167,12 @@ static inline __m256 load_activations(const void *x, int x_bf16, int64_t at) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
 }
 
+static inline float horizontal_max(__m256 v) {
+    __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+    return _mm_cvtss_f32(_mm_max_ss(max4, _mm_movehdup_ps(max4)));
+}
+
 // Activation rows [rows, k] (row stride x_stride; float32, or bfloat16 when x_bf16) -> a's rows
 // [first, last), a block of 32 in four vectors of 8: d = max|x| / 127, q = x * (1 / d) rounded half to even
 // (the rounding mode's default, as the tests' reference's nearbyintf), s = d * sum(q).
@@ -185,10 +191,7 @@ static void quantize_activation_rows(const void *x, int x_bf16, int64_t x_stride
                 src[v] = load_activations(x, x_bf16, r * x_stride + b * BLOCK + v * 8);
                 amax = _mm256_max_ps(amax, _mm256_and_ps(src[v], magnitude));
             }
-            __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
-            max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
-            const float d = _mm_cvtss_f32(max4) / 127.0f;
+            const float d = horizontal_max(amax) / 127.0f;
             const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
             __m256i q[4], sum = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {

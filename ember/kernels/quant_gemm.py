@@ -30,9 +30,10 @@ _DESCRIPTOR_FIELDS = 8  # quant_gemm.c's quant_linear: eight 8-byte fields
 # panels already past PANEL_GEMV_MAX_ROWS (docs/benchmarks.md, issue 14).
 GEMV_MAX_ROWS = 16
 PANEL_GEMV_MAX_ROWS = 4
-# On AVX2, float32 batches of more rows than this run faster on int8 copies of the weights (w8a8_f32_gemm.c) than
-# on the blocks' GEMV, where a Linear holds both (docs/benchmarks.md, issue 14).
-AVX2_W8A8_GEMV_MAX_ROWS = 2
+# On AVX2, float32 batches of more rows than this run on int8 copies of the weights (w8a8_f32_gemm.c) rather than
+# on the blocks' GEMV, where a Linear holds both: faster from 3 rows on a Zen 3, and from 4 as with bfloat16's
+# panels (PANEL_GEMV_MAX_ROWS), so that a few requests decode alike together and apart (docs/benchmarks.md).
+AVX2_W8A8_GEMV_MAX_ROWS = 4
 # The most rows for which AMX's int8 tiles (w8a8_panel_gemm.c: a tile store and a float32 rescale per group of
 # 64) beat the bfloat16 tiles; with VNNI int8 activations are faster at every row count (docs/benchmarks.md).
 AMX_W8A8_MAX_ROWS = 64

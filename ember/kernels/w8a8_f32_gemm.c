@@ -12,7 +12,7 @@
 //   y = scale_n * (sum over groups of s_g * dot_g(w, q)) + bias,
 // each group's dot product exact in int32, then each product and sum in float32 in that order.
 //
-// Included by quant_gemm.c; needs only AVX2.
+// Included by quant_gemm.c (its horizontal_max); needs only AVX2.
 
 #define W8A8_F32_GROUP 64
 #define W8A8_F32_ROWS 4       // rows per register tile: 4 x 2 int32 accumulators, 2 weight vectors, 4 helpers
@@ -38,10 +38,7 @@ static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, i
                 v[i] = _mm256_loadu_ps(values + 8 * i);
                 amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
             }
-            __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-            half = _mm_max_ss(half, _mm_movehdup_ps(half));
-            const float scale = _mm_cvtss_f32(half) / 127.0f;
+            const float scale = horizontal_max(amax) / 127.0f;
             const __m256 inverse = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
             int8_t *out = q + r * k + g * W8A8_F32_GROUP;
             for (int i = 0; i < W8A8_F32_GROUP / 16; i++) {  // 16 values: two vectors of int32 packed to bytes

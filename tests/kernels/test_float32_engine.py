@@ -88,16 +88,16 @@ def test_smollm2_greedy_is_token_exact(smollm2_gguf_path: Path, smollm2_referenc
 @pytest.mark.slow
 def test_smollm2_auto_quantization_in_float32_reads_the_blocks_for_decodes(smollm2_gguf_path: Path) -> None:
     """--quantization auto in float32 (CPUs without native bfloat16 default to it), forced to AVX2: steps of up to
-    2 rows run decoder_stack_quant_f32.c's GEMV on the Q4_1/Q8_0 blocks, larger ones the same stack on int8
+    4 rows run decoder_stack_quant_f32.c's GEMV on the Q4_1/Q8_0 blocks, larger ones the same stack on int8
     copies of the weights with int8 activations (w8a8_f32_gemm.c)."""
     if compiler() is None or "avx2" not in LEVELS:
         pytest.skip("the float32 kernels need a C compiler and AVX2")
     llm = LLM(str(smollm2_gguf_path), dtype="float32", kernels="avx2", num_threads=2, enable_prefix_caching=False,
               max_num_seqs=2, max_num_batched_tokens=64)
     paths = llm.engine.runner.kernel_paths
-    assert paths["gemm"] == ("native_quant_avx2 (q4_1+q8_0, avx2_maddubs; up to 2 rows, else int8 copies of the "
+    assert paths["gemm"] == ("native_quant_avx2 (q4_1+q8_0, avx2_maddubs; up to 4 rows, else int8 copies of the "
                              "weights with int8 activations per 64 (w8a8_avx2))")
-    assert paths["decoder_stack"] == ("native_avx2_quant (every step: the blocks up to 2 rows, else the int8 "
+    assert paths["decoder_stack"] == ("native_avx2_quant (every step: the blocks up to 4 rows, else the int8 "
                                       "copies)")
     model = llm.engine.runner.model
     stack = model.native.decoder_stack

@@ -257,7 +257,7 @@ def test_w8a8_in_float32_on_avx2_computes_the_same_math(k: int) -> None:
     """At "avx2", int8_panels weights run float32 rows with int8 activations (vpmaddubsw on |q| and the weights
     carrying q's sign): the float64 reference of the same math within float32's rounding, at row counts with
     and without a tail of the 4-row tile, with and without bias, from linear() too; a heavy tail of activations
-    stays within 2% of the float product. Linears with an int8 copy leave the GEMV past 2 rows."""
+    stays within 2% of the float product. Linears with an int8 copy leave the GEMV past 4 rows."""
     if compiler() is None or "avx2" not in LEVELS:
         pytest.skip("no C compiler or no AVX2")
     kernels = QuantGemm("avx2")

@@ -106,7 +106,7 @@ def test_w8a8_batches_agree_with_the_dequantized_model_in_bfloat16(smollm2_gguf_
 def test_w8a8_batches_agree_with_the_dequantized_model_in_float32_on_avx2(
     smollm2_gguf_path: Path, reference: list[list[int]]
 ) -> None:
-    """--quantization auto in float32 at "avx2" (the default on CPUs without AVX-512): steps past the GEMV's 2
+    """--quantization auto in float32 at "avx2" (the default on CPUs without AVX-512): steps past the GEMV's 4
     rows, so nearly every scored position, on int8 copies of the weights with int8 activations."""
     llm = engine(smollm2_gguf_path, "auto", "float32", "avx2")
     assert "w8a8_avx2" in llm.engine.runner.kernel_paths["gemm"]
