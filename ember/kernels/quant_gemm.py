@@ -84,26 +84,27 @@ class QuantGemm:
 
     @property
     def panel_w8a8(self) -> bool:
-        """Whether int8 weights past the GEMV run with int8 activations (w8a8_name is not None)."""
-        return self.w8a8_name is not None
+        """Whether int8 weights past the GEMV run with int8 activations on the bfloat16 panels' path
+        (panel_gemm: VNNI or AMX)."""
+        return self.w8a8_name in ("w8a8_vnni", "w8a8_amx")
 
     def runs_w8a8(self, dtype: torch.dtype) -> bool:
         """Whether batches of activations of `dtype` past the GEMV run int8 weights with int8 activations:
         bfloat16 on VNNI or AMX, float32 on AVX2."""
         if dtype == torch.float32:
             return self.w8a8_name == "w8a8_avx2"
-        return dtype == torch.bfloat16 and self.w8a8_name in ("w8a8_vnni", "w8a8_amx")
+        return dtype == torch.bfloat16 and self.panel_w8a8
 
     def gemv_max_rows(self, dtype: torch.dtype, beside_int8: bool = False) -> int:
         """The most rows linear() gives the GEMV for activations of `dtype`; `beside_int8`: for a weight that
         has an int8 copy (Linear.batch_quantized) for larger batches."""
-        if beside_int8 and dtype == torch.float32 and self.w8a8_name == "w8a8_avx2":
+        if beside_int8 and dtype == torch.float32 and self.runs_w8a8(dtype):
             return AVX2_W8A8_GEMV_MAX_ROWS
         return PANEL_GEMV_MAX_ROWS if self.panel_gemm_name and dtype == torch.bfloat16 else GEMV_MAX_ROWS
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] @ W^T + bias -> [rows, N] in x's dtype."""
-        if weight.format == "int8_panels" and self.w8a8_name == "w8a8_avx2":  # any rows, float32
+        if weight.format == "int8_panels" and self.runs_w8a8(torch.float32):  # any rows, float32
             return self.gemm(x.float().contiguous(), weight, None if bias is None else bias.float()).to(x.dtype)
         if weight.format == "int8_panels":  # batches only; any rows, bfloat16
             return self.panel_gemm(x.bfloat16().contiguous(), weight,
@@ -128,7 +129,7 @@ class QuantGemm:
                 f"quantized GEMM needs float32 or bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
-        if weight.format == "int8_panels" and (self.w8a8_name != "w8a8_avx2" or x.dtype != torch.float32):
+        if weight.format == "int8_panels" and not (x.dtype == torch.float32 and self.runs_w8a8(x.dtype)):
             raise ValueError("int8_panels weights run on panel_gemm only (the GEMV reads weights by rows), or in "
                              "float32 on AVX2")
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
@@ -142,6 +143,8 @@ class QuantGemm:
     ) -> torch.Tensor:
         """x [rows, K] (bfloat16, unit stride over K) @ W^T + bias (bfloat16) -> bfloat16 [rows, N], on
         dequantized panels of the weight with bfloat16 tiles (quant_panel_gemm.c; panel_gemm_name not None)."""
+        if self.panel_gemm_name is None:  # the C entry point would leave `out` unwritten
+            raise ValueError(f"ISA level {self.level} has no bfloat16 panels (they need AMX or AVX512-BF16)")
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"panel GEMM needs bfloat16 x [rows, {weight.shape[1]}] with unit stride over K, got "
                              f"{x.dtype} {tuple(x.shape)}")

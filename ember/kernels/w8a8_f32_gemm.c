@@ -14,7 +14,7 @@
 //
 // Included by quant_gemm.c (its horizontal_max); needs only AVX2.
 
-#define W8A8_F32_GROUP 64
+#define W8A8_GROUP 64  // activations' values per scale (w8a8_panel_gemm.c's too)
 #define W8A8_F32_ROWS 4       // rows per register tile: 4 x 2 int32 accumulators, 2 weight vectors, 4 helpers
 #define W8A8_F32_OUTPUTS 16   // outputs per tile: half a panel, one 64-byte line per 4 k
 #define W8A8_F32_PREFETCH 4096  // bytes of weights requested ahead by a half panel's first tile
@@ -24,28 +24,29 @@
 static __thread uint8_t *w8a8_f32_scratch;
 static __thread size_t w8a8_f32_scratch_bytes;
 
-// x [rows, k] (float32, row stride x_stride) -> q [rows, k] int8 and scales [rows, k / W8A8_F32_GROUP].
+// x [rows, k] (float32, row stride x_stride) -> q [rows, k] int8 and scales [rows, k / W8A8_GROUP].
 static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, int64_t k, int8_t *q,
                                    float *scales) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const int64_t groups = k / W8A8_F32_GROUP;
+    const int64_t groups = k / W8A8_GROUP;
     for (int r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *values = x + r * x_stride + g * W8A8_F32_GROUP;
-            __m256 v[W8A8_F32_GROUP / 8];
+            const float *values = x + r * x_stride + g * W8A8_GROUP;
+            __m256 v[W8A8_GROUP / 8];
             __m256 amax = _mm256_setzero_ps();
-            for (int i = 0; i < W8A8_F32_GROUP / 8; i++) {
+            for (int i = 0; i < W8A8_GROUP / 8; i++) {
                 v[i] = _mm256_loadu_ps(values + 8 * i);
                 amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
             }
             const float scale = horizontal_max(amax) / 127.0f;
             const __m256 inverse = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-            int8_t *out = q + r * k + g * W8A8_F32_GROUP;
-            for (int i = 0; i < W8A8_F32_GROUP / 16; i++) {  // 16 values: two vectors of int32 packed to bytes
+            int8_t *out = q + r * k + g * W8A8_GROUP;
+            for (int i = 0; i < W8A8_GROUP / 16; i++) {  // 16 values: two vectors of int32 packed to bytes
                 const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], inverse));
                 const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i + 1], inverse));
                 const __m256i words = _mm256_packs_epi32(low, high);  // per 128-bit lane: low 0-3, high 0-3, ...
-                const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+                const __m128i bytes =
+                    _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
                 // bytes: low 0-3, high 0-3, low 4-7, high 4-7 -> 32-bit groups in order 0, 2, 1, 3
                 _mm_storeu_si128((__m128i *)(out + 16 * i), _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
             }
@@ -62,13 +63,13 @@ static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q,
                                                                const uint8_t *lines, int prefetch,
                                                                const float *col_scales, const float *bias,
                                                                float *out, int64_t n, const int rows) {
-    const int64_t groups = k / W8A8_F32_GROUP;
+    const int64_t groups = k / W8A8_GROUP;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     float sums[W8A8_F32_ROWS][W8A8_F32_OUTPUTS] __attribute__((aligned(32))) = {{0}};
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[W8A8_F32_ROWS][2];
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-        for (int64_t p = g * W8A8_F32_GROUP / 4; p < (g + 1) * W8A8_F32_GROUP / 4; p++) {
+        for (int64_t p = g * W8A8_GROUP / 4; p < (g + 1) * W8A8_GROUP / 4; p++) {
             if (prefetch) _mm_prefetch((const char *)(lines + p * 64) + W8A8_F32_PREFETCH, _MM_HINT_T0);
             // outputs 0-7 and 8-15, 4 k each, as signed bytes (w + 128 XOR 0x80 = w)
             const __m256i w0 = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(lines + p * 64)), flip);
@@ -111,7 +112,7 @@ static void w8a8_f32_rows(const int8_t *q, const float *x_scales, int64_t k, con
 }
 
 // out [rows, n] = x [rows, k] (float32, row stride x_stride) @ W^T + bias (float32 or NULL), W the INT8_PANELS
-// weight `panels` with per-row `col_scales`, n a multiple of 32 and k of W8A8_F32_GROUP: this thread's
+// weight `panels` with per-row `col_scales`, n a multiple of 32 and k of W8A8_GROUP: this thread's
 // contiguous run of half panels, every row of them (the half panel stays in L1 from one row tile to the next).
 // Every thread quantizes all the rows itself (rows x k operations against the GEMM's rows x k x n / threads),
 // so that no barrier is needed; none at the end either: callers inside a region add one.
@@ -120,7 +121,7 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
     const int64_t halves = n / W8A8_F32_OUTPUTS, thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t begin = halves * thread / threads, end = halves * (thread + 1) / threads;
     if (begin == end) return;
-    const int64_t groups = k / W8A8_F32_GROUP;
+    const int64_t groups = k / W8A8_GROUP;
     const size_t bytes = (size_t)rows * ((size_t)groups * sizeof(float) + (size_t)k);
     if (bytes > w8a8_f32_scratch_bytes) {
         free(w8a8_f32_scratch);
@@ -135,8 +136,8 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
         const uint8_t *lines = (const uint8_t *)panels + (h / 2) * 2 * W8A8_F32_OUTPUTS * k + (h % 2) * (k / 4) * 64;
         for (int first = 0; first < rows; first += W8A8_F32_ROWS)
             w8a8_f32_rows(q + (int64_t)first * k, x_scales + first * groups, k, lines, first == 0,
-                          (const float *)col_scales + h * 16,
-                          bias ? bias + h * 16 : NULL, out + (int64_t)first * n + h * 16, n,
+                          (const float *)col_scales + h * W8A8_F32_OUTPUTS,
+                          bias ? bias + h * W8A8_F32_OUTPUTS : NULL, out + (int64_t)first * n + h * W8A8_F32_OUTPUTS, n,
                           rows - first < W8A8_F32_ROWS ? rows - first : W8A8_F32_ROWS);
     }
 }

@@ -18,10 +18,9 @@
 // each product and sum rounded in float32 in that order (no fused multiply-adds: tests/kernels reproduces it
 // bit for bit, and both instruction sets give the same outputs), then rounded once to bfloat16.
 //
-// Included by quant_panel_gemm.c (needs transpose_16x16_epi32, PANEL, bf16_simd.h, and with AMX amx_gemm.c's
-// configure_tiles).
+// Included by quant_panel_gemm.c (needs transpose_16x16_epi32, PANEL, bf16_simd.h, quant_gemm.c's W8A8_GROUP from
+// w8a8_f32_gemm.c, and with AMX amx_gemm.c's configure_tiles).
 
-#define W8A8_GROUP 64
 #if defined(PANEL_GEMM_AMX)
 #define W8A8_TILE_ROWS GROUP_ROWS  // two A tiles
 #else

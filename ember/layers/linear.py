@@ -111,8 +111,8 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
     where the arithmetic outweighs the bytes: where batches of `dtype` run int8 weights with int8 activations
     (QuantGemm.runs_w8a8: bfloat16 with VNNI or AMX, float32 on AVX2), the weight dequantized and re-quantized to
     int8 per output channel (more multiply-adds per instruction than bfloat16 or float32); elsewhere the weight
-    dequantized to `dtype`, for the float GEMM. Where the quantized kernels cannot run, the blocks are dropped (--quantization none). The
-    quantized GEMM, or None."""
+    dequantized to `dtype`, for the float GEMM. Where the quantized kernels cannot run, the blocks are dropped
+    (--quantization none). The quantized GEMM, or None."""
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     if not quantized:
         return None
@@ -139,7 +139,8 @@ def attach_quant_gemm_beside_floats(model: nn.Module, kernels: str, dtype: torch
         logger.info("quantization auto: %d Linear weights keep their blocks (%.1f MiB) for up to %d rows; larger "
                     "batches run %d on int8 copies with int8 activations (%.1f MiB) and %d on weights dequantized "
                     "to %s (%.1f MiB)", len(quantized), block_bytes / 2**20,
-                    quant_gemm.gemv_max_rows(dtype, bool(batch)), len(batch), sum(w.nbytes for w in batch) / 2**20, len(floats), dtype,
+                    quant_gemm.gemv_max_rows(dtype, bool(batch)), len(batch), sum(w.nbytes for w in batch) / 2**20,
+                    len(floats), dtype,
                     sum(w.nbytes for w in floats) / 2**20)
     return quant_gemm
 

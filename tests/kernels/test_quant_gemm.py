@@ -281,6 +281,9 @@ def test_w8a8_in_float32_on_avx2_computes_the_same_math(k: int) -> None:
         assert (kernels.gemm(x, panels, None) - exact).abs().max() <= 0.02 * exact.abs().max(), rows
     with pytest.raises(ValueError, match="float32 on AVX2"):
         kernels.gemm(torch.randn(2, k).bfloat16(), panels)
+    assert not kernels.panel_w8a8  # bfloat16 panels need AMX or AVX512-BF16: refused, not left unwritten
+    with pytest.raises(ValueError, match="no bfloat16 panels"):
+        kernels.panel_gemm(torch.randn(2, k).bfloat16(), panels)
 
 
 @pytest.mark.parametrize("level", PANEL_LEVELS)
