@@ -229,6 +229,18 @@ static inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// u0 . s0 + u1 . s1 in the 8 int32 lanes, 8 products per lane, for unsigned values of at most 5 bits (packed
+// nibbles, with a fifth bit): without VNNI the two vpmaddubsw's int16 sums add before one vpmaddwd
+// (|4 x 31 x 127| < 2^15).
+static inline __m256i dot_two_u5_s8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return dot_u8_s8(dot_u8_s8(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
 static inline float horizontal_sum(__m256 v) {
     __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
@@ -239,7 +251,8 @@ static inline float horizontal_sum(__m256 v) {
 // A group of GROUP blocks of one weight row, unpacked once and dotted with every activation row of a tile:
 // Q4_0/Q4_1 as four pairs (u[2j]: both blocks' low nibbles, u[2j + 1]: their high nibbles), Q8_0/int8 as
 // eight blocks (u: |w|, w: the signed values, whose signs move onto the activations). Blocks past `count`
-// are zeros; scales and mins are float32 (1 for int8, whose scale is the row's).
+// are zeros, and so are the first `dead` (even; counted already by the group before); scales and mins are
+// float32 (1 for int8, whose scale is the row's).
 typedef struct {
     __m256i u[GROUP], w[GROUP];
     __m256 scales, mins;
@@ -248,10 +261,14 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void load_group(int format, const void *values, const uint8_t *masks,
                                                              const void *row_scales, const void *row_mins, int64_t b,
-                                                             int count, weight_group *g) {
+                                                             int count, int dead, weight_group *g) {
     if (packed_nibbles(format)) {
         const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < GROUP / 2; j++) {
+            if (2 * j < dead) {
+                g->u[2 * j] = g->u[2 * j + 1] = _mm256_setzero_si256();
+                continue;
+            }
             const uint8_t *pair = (const uint8_t *)values + j * BLOCK;
             // A lone last block (odd count) loads its own 16 bytes only: the pair's second half stays zero.
             const __m256i packed = 2 * j + 1 < count ? _mm256_loadu_si256((const __m256i *)pair)
@@ -268,8 +285,8 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
         }
     } else {
         for (int b = 0; b < GROUP; b++) {
-            g->w[b] = b < count ? _mm256_loadu_si256((const __m256i *)((const int8_t *)values + b * BLOCK))
-                                : _mm256_setzero_si256();
+            g->w[b] = dead <= b && b < count ? _mm256_loadu_si256((const __m256i *)((const int8_t *)values + b * BLOCK))
+                                             : _mm256_setzero_si256();
             g->u[b] = _mm256_sign_epi8(g->w[b], g->w[b]);
         }
     }
@@ -307,15 +324,19 @@ static inline __attribute__((always_inline)) void load_group(int format, const v
 }
 
 // The group's 8 integer block dot products with one activation row's group (xq: its GROUP * BLOCK bytes),
-// block b in lane b. The per-block int32 partial sums are reduced together, once per group.
-static inline __attribute__((always_inline)) __m256i group_dots(int format, const weight_group *g,
+// block b in lane b (0 in the first `dead`). The per-block int32 partial sums are reduced together, once per group.
+static inline __attribute__((always_inline)) __m256i group_dots(int format, const weight_group *g, int dead,
                                                                  const int8_t *xq) {
     if (packed_nibbles(format)) {
         __m256i pair[GROUP / 2];  // lanes 0-3: block 2j's partial sums, lanes 4-7: block 2j + 1's
         for (int j = 0; j < GROUP / 2; j++) {
+            if (2 * j < dead) {
+                pair[j] = _mm256_setzero_si256();
+                continue;
+            }
             const __m256i low = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK));
             const __m256i high = _mm256_loadu_si256((const __m256i *)(xq + 2 * j * BLOCK + BLOCK));
-            pair[j] = dot_u8_s8(dot_u8_s8(_mm256_setzero_si256(), g->u[2 * j], low), g->u[2 * j + 1], high);
+            pair[j] = dot_two_u5_s8(g->u[2 * j], low, g->u[2 * j + 1], high);
         }
         // Lanes: [b0 b0 b2 b2 | b1 b1 b3 b3], [b4 b4 b6 b6 | b5 b5 b7 b7], then [b0 b2 b4 b6 | b1 b3 b5 b7].
         const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(pair[0], pair[1]), _mm256_hadd_epi32(pair[2], pair[3]));
@@ -323,6 +344,10 @@ static inline __attribute__((always_inline)) __m256i group_dots(int format, cons
     }
     __m256i block[GROUP];
     for (int b = 0; b < GROUP; b++) {
+        if (b < dead) {
+            block[b] = _mm256_setzero_si256();
+            continue;
+        }
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
         block[b] = dot_u8_s8(_mm256_setzero_si256(), g->u[b], _mm256_sign_epi8(x, g->w[b]));
     }
@@ -353,14 +378,13 @@ static inline __attribute__((always_inline)) __m256 group_terms(int format, cons
 }
 
 // acc[r] += the terms of the `count` blocks from block b of one weight row (row_bytes bytes from `values`; a five-bit
-// row's masks from `masks`) for activation rows r < tile; prefetches the same bytes PREFETCH_ROWS weight rows ahead.
+// row's masks from `masks`) for activation rows r < tile, less its first `dead` blocks, counted already (their
+// lanes zeroed); prefetches the same bytes PREFETCH_ROWS weight rows ahead.
 #define PREFETCH_ROWS 4
 
-// `keep`: all ones in the lanes (blocks) to count, zeros in those counted already (their scales and mins are
-// zeroed).
 static inline __attribute__((always_inline)) void group_step(
         int format, int tile, const char *values, const uint8_t *masks, const void *row_scales, const void *row_mins,
-        int64_t b, int count, __m256 keep, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
+        int64_t b, int count, int dead, int64_t row_bytes, quantized_activations a, int64_t stride, __m256 *acc) {
     const int64_t block_bytes = packed_nibbles(format) ? BLOCK / 2 : BLOCK;
     const char *group_values = values + b * block_bytes;
     const uint8_t *group_masks = five_bit_format(format) ? masks + b / 2 * 8 : NULL;
@@ -368,70 +392,78 @@ static inline __attribute__((always_inline)) void group_step(
         _mm_prefetch(group_values + PREFETCH_ROWS * row_bytes + line, _MM_HINT_T0);
     if (group_masks) _mm_prefetch((const char *)group_masks + PREFETCH_ROWS * row_bytes, _MM_HINT_T0);
     weight_group g;
-    load_group(format, group_values, group_masks, row_scales, row_mins, b, count, &g);
-    g.scales = _mm256_and_ps(keep, g.scales);
-    if (block_min_format(format) || k_quant_scales(format)) g.mins = _mm256_and_ps(keep, g.mins);
+    load_group(format, group_values, group_masks, row_scales, row_mins, b, count, dead, &g);
+    if (dead) {
+        const __m256 keep = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(dead - 1)));
+        g.scales = _mm256_and_ps(keep, g.scales);
+        if (block_min_format(format) || k_quant_scales(format) || format == Q6_K) g.mins = _mm256_and_ps(keep, g.mins);
+    }
     for (int r = 0; r < tile; r++)
-        acc[r] = group_terms(format, &g, group_dots(format, &g, a.q + (r * stride + b) * BLOCK), a.d + r * stride + b,
-                             a.s + r * stride + b, acc[r]);
+        acc[r] = group_terms(format, &g, group_dots(format, &g, dead, a.q + (r * stride + b) * BLOCK),
+                             a.d + r * stride + b, a.s + r * stride + b, acc[r]);
 }
 
-// Weight row n against activation rows [0, tile) of `a`: out[r * n_out + n] = x_r . w_n + bias[n], stored as
-// float32 or bfloat16 (out_bf16). Each weight group is read once and dotted with the tile's rows while its
-// unpacked values sit in registers.
-
-static inline __attribute__((always_inline)) void weight_row_dot(
-        int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n, int64_t k,
-        quantized_activations a, const void *bias, int out_bf16, void *out, int64_t n_out) {
+// Weight rows [n_first, n_last) against activation rows [0, tile) of `a`: out[r * n_out + n] = x_r . w_n + bias[n],
+// stored as float32 or bfloat16 (out_bf16). Each weight group is read once and dotted with the tile's rows while
+// its unpacked values sit in registers. What depends on k only is worked out once for all the rows.
+static inline __attribute__((always_inline)) void weight_rows_dot(
+        int format, int tile, const void *qs, const void *scales, const void *mins, int64_t n_first, int64_t n_last,
+        int64_t k, quantized_activations a, const void *bias, int out_bf16, void *out, int64_t n_out) {
     const int64_t blocks = k / BLOCK, stride = activation_blocks(k), row_bytes = weight_row_bytes(format, k);
-    const char *values = (const char *)qs + n * row_bytes;
-    const uint8_t *masks = (const uint8_t *)values + blocks * BLOCK / 2;  // five-bit rows' (past the nibbles)
-    // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0_MIN) or per super-block (Q4_K and
-    // Q5_K: 16 bytes of sc and m, Q6_K: 24; all three: fp16 d and dmin).
-    const void *row_scales = 0, *row_mins = 0;
-    if (k_quant_scales(format) || format == Q6_K) {
-        row_scales = (const uint8_t *)scales + n * blocks / GROUP * (format == Q6_K ? 24 : 16);
-        row_mins = (const uint16_t *)mins + n * blocks / GROUP * 2;
-    } else if (format != INT8) {
-        row_scales = (const uint16_t *)scales + n * blocks;
-        if (block_min_format(format)) row_mins = (const uint16_t *)mins + n * blocks;
-    }
-    __m256 acc[ROW_TILE];
-    for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
-    // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, the last whole
-    // group ends at the row's last block instead, its blocks counted already masked off, if it starts at a
-    // block pair (the activations' layout pairs blocks 2j and 2j + 1); else the rest runs as a partial group,
-    // whose scales are padded through memory: with k = 576 (18 blocks) that one took as long as the two others.
-    const int overlap = blocks > GROUP && blocks % GROUP != 0 && (blocks - GROUP) % 2 == 0;
-    const int64_t whole = overlap ? blocks : blocks - blocks % GROUP;
-    for (int64_t b = 0; b < whole; b += GROUP) {
-        const int64_t start = b + GROUP <= blocks ? b : blocks - GROUP;
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                                                   _mm256_set1_epi32((int)(b - start) - 1)));
-        group_step(format, tile, values, masks, row_scales, row_mins, start, GROUP, keep, row_bytes, a, stride, acc);
-    }
-    if (whole < blocks)
-        group_step(format, tile, values, masks, row_scales, row_mins, whole, (int)(blocks - whole),
-                   _mm256_castsi256_ps(_mm256_set1_epi32(-1)), row_bytes, a, stride, acc);
-    const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
-    const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bfloat16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
-    for (int r = 0; r < tile; r++) {
-        const float result = row_scale * horizontal_sum(acc[r]) + bias_n;
-        if (out_bf16)
-            ((uint16_t *)out)[r * n_out + n] = float_to_bfloat16(result);
-        else
-            ((float *)out)[r * n_out + n] = result;
+    // Whole groups (a constant count: no per-block tests). Where the row ends in a partial group, one more whole
+    // group ends at the row's last block instead, skipping the blocks counted already, if it starts at a block
+    // pair (the activations' layout pairs blocks 2j and 2j + 1); else the rest runs as a partial group, whose
+    // scales are padded through memory: with k = 576 (18 blocks) that one took as long as the two others.
+    const int64_t whole = blocks / GROUP * GROUP, rest = blocks - whole;
+    const int overlap = whole > 0 && rest > 0 && (blocks - GROUP) % 2 == 0;
+    const int dead = overlap ? (int)(GROUP - rest) : 0;
+    for (int64_t n = n_first; n < n_last; n++) {
+        const char *values = (const char *)qs + n * row_bytes;
+        const uint8_t *masks = (const uint8_t *)values + blocks * BLOCK / 2;  // five-bit rows' (past the nibbles)
+        // This row's scales and mins: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0_MIN) or per super-block (Q4_K
+        // and Q5_K: 16 bytes of sc and m, Q6_K: 24; all three: fp16 d and dmin).
+        const void *row_scales = 0, *row_mins = 0;
+        if (k_quant_scales(format) || format == Q6_K) {
+            row_scales = (const uint8_t *)scales + n * blocks / GROUP * (format == Q6_K ? 24 : 16);
+            row_mins = (const uint16_t *)mins + n * blocks / GROUP * 2;
+        } else if (format != INT8) {
+            row_scales = (const uint16_t *)scales + n * blocks;
+            if (block_min_format(format)) row_mins = (const uint16_t *)mins + n * blocks;
+        }
+        __m256 acc[ROW_TILE];
+        for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < whole; b += GROUP)
+            group_step(format, tile, values, masks, row_scales, row_mins, b, GROUP, 0, row_bytes, a, stride, acc);
+        if (overlap)
+            group_step(format, tile, values, masks, row_scales, row_mins, blocks - GROUP, GROUP, dead, row_bytes, a,
+                       stride, acc);
+        else if (rest > 0)
+            group_step(format, tile, values, masks, row_scales, row_mins, whole, (int)rest, 0, row_bytes, a, stride,
+                       acc);
+        const float row_scale = format == INT8 ? ((const float *)scales)[n] : 1.0f;
+        const float bias_n = bias == 0 ? 0.0f : out_bf16 ? bfloat16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+        for (int r = 0; r < tile; r++) {
+            const float result = row_scale * horizontal_sum(acc[r]) + bias_n;
+            if (out_bf16)
+                ((uint16_t *)out)[r * n_out + n] = float_to_bfloat16(result);
+            else
+                ((float *)out)[r * n_out + n] = result;
+        }
     }
 }
 
 // Specialized per format and tile height so that the compiler keeps the accumulators in registers.
-#define TILE_CASES(FORMAT)                                                                                    \
-    switch (tile) {                                                                                           \
-    case 1: weight_row_dot(FORMAT, 1, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
-    case 2: weight_row_dot(FORMAT, 2, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
-    case 3: weight_row_dot(FORMAT, 3, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;      \
-    default: weight_row_dot(FORMAT, 4, qs, scales, mins, n, k, a_t, bias, out_bf16, out_t, n_out); break;     \
+#define TILE_CASES(FORMAT)                                                                                        \
+    switch (tile) {                                                                                               \
+    case 1: weight_rows_dot(FORMAT, 1, qs, scales, mins, n0, n1, k, a_t, bias, out_bf16, out_t, n_out); break;    \
+    case 2: weight_rows_dot(FORMAT, 2, qs, scales, mins, n0, n1, k, a_t, bias, out_bf16, out_t, n_out); break;    \
+    case 3: weight_rows_dot(FORMAT, 3, qs, scales, mins, n0, n1, k, a_t, bias, out_bf16, out_t, n_out); break;    \
+    default: weight_rows_dot(FORMAT, 4, qs, scales, mins, n0, n1, k, a_t, bias, out_bf16, out_t, n_out); break;   \
     }
+
+// Weight rows taken through all the activation tiles at a time: they stay in L1 from one tile to the next.
+#define ROW_CHUNK 16
 
 // Weight rows [n_first, n_last) of out [rows, n_out] = x @ W^T + bias, from x quantized into `a`
 // (quantize_activation_rows with paired = packed_nibbles(format)): what one thread of a parallel region
@@ -441,7 +473,10 @@ static void quant_gemm_rows(int format, quantized_activations a, int64_t rows, c
                             int64_t n_first, int64_t n_last) {
     const int64_t stride = activation_blocks(k);
     const size_t out_size = out_bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int64_t n = n_first; n < n_last; n++) {
+    // One tile (decode's few rows): all the thread's weight rows in one call.
+    const int64_t chunk = rows <= ROW_TILE ? n_last - n_first : ROW_CHUNK;
+    for (int64_t n0 = n_first; n0 < n_last; n0 += chunk) {
+        const int64_t n1 = n0 + chunk < n_last ? n0 + chunk : n_last;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             const quantized_activations a_t = {a.q + r0 * stride * BLOCK, a.d + r0 * stride, a.s + r0 * stride};
