@@ -14,57 +14,107 @@
 
 #define CHUNKS (HEAD_DIM / LANES)
 #define TILE 16
+// Keys scored together, their dot products' lanes summed by one vsum8.
+#define KEYS 8
+// Chunks of HEAD_DIM whose V sums a pass over the tile's keys keeps in registers: as many independent
+// accumulator chains as AVX2's 16 registers hold beside the V row and the scores (AVX-512's 32 hold all).
+#define V_CHUNKS (LANES == 16 ? CHUNKS : 2)
 
-// out[QUERIES_PER_KV][HEAD_DIM] = softmax(q k^T * scale) v over the first `keys` keys of one sequence's
-// `kv_head`; q: the group's QUERIES_PER_KV rows of HEAD_DIM, contiguous.
-static void attend_group(const float *q, float *out, const float *cache, const int64_t *table, int block_size,
-                         int num_kv_heads, int kv_head, int64_t keys, float scale) {
-    const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM;
-    const int64_t key_offset = (int64_t)kv_head * HEAD_DIM, value_offset = (int64_t)(num_kv_heads + kv_head) * HEAD_DIM;
+// Heads of one sequence a task attends at most, tile by tile together (their K and V share the cache's rows).
+#define MAX_TASK_HEADS 8
+
+// One KV head's online softmax: its QUERIES_PER_KV queries (scaled), V sums, running max and sum.
+typedef struct {
     vfloat query[QUERIES_PER_KV][CHUNKS], acc[QUERIES_PER_KV][CHUNKS];
     float running_max[QUERIES_PER_KV], running_sum[QUERIES_PER_KV];
+} head_state;
+
+static void head_start(head_state *h, const float *q, float scale) {
     for (int g = 0; g < QUERIES_PER_KV; g++) {
         for (int c = 0; c < CHUNKS; c++) {
-            query[g][c] = vmul(vload(q + g * HEAD_DIM + c * LANES), vset1(scale));
-            acc[g][c] = vzero();
+            h->query[g][c] = vmul(vload(q + g * HEAD_DIM + c * LANES), vset1(scale));
+            h->acc[g][c] = vzero();
         }
-        running_max[g] = -INFINITY;
-        running_sum[g] = 0.0f;
+        h->running_max[g] = -INFINITY;
+        h->running_sum[g] = 0.0f;
     }
+}
+
+// One tile of keys for one KV head: rows[i] is key i's row of the cache, `valid` of them real (the rest repeat
+// the last), its K at key_offset and V at value_offset floats. Each query head scores the tile's keys KEYS at a
+// time (independent chains, one reduction); the V sums go through the tile V_CHUNKS chunks of HEAD_DIM at a
+// time, so that neither loop holds more vectors than there are registers.
+static void head_tile(head_state *h, const float *const rows[TILE], int valid, int64_t key_offset,
+                      int64_t value_offset) {
+    float scores[QUERIES_PER_KV][TILE], correction[QUERIES_PER_KV];
+    for (int g = 0; g < QUERIES_PER_KV; g++)
+        for (int i0 = 0; i0 < valid; i0 += KEYS) {
+            vfloat dot[KEYS];
+            for (int j = 0; j < KEYS; j++) dot[j] = vmul(h->query[g][0], vload(rows[i0 + j] + key_offset));
+            for (int c = 1; c < CHUNKS; c++)
+                for (int j = 0; j < KEYS; j++)
+                    dot[j] = vfmadd(h->query[g][c], vload(rows[i0 + j] + key_offset + c * LANES), dot[j]);
+            vsum8(dot, scores[g] + i0);
+        }
+    for (int g = 0; g < QUERIES_PER_KV; g++) {
+        float new_max = h->running_max[g];
+        for (int i = 0; i < valid; i++) new_max = scores[g][i] > new_max ? scores[g][i] : new_max;
+        correction[g] = expf(h->running_max[g] - new_max);
+        h->running_sum[g] *= correction[g];
+        for (int i = valid; i < TILE; i++) scores[g][i] = -INFINITY;  // a short tile's unused lanes
+        for (int i = 0; i < TILE; i += LANES)
+            vstore(scores[g] + i, vexp(vadd(vload(scores[g] + i), vset1(-new_max))));
+        for (int i = 0; i < valid; i++) h->running_sum[g] += scores[g][i];
+        h->running_max[g] = new_max;
+    }
+    for (int c0 = 0; c0 < CHUNKS; c0 += V_CHUNKS) {
+        vfloat sums[QUERIES_PER_KV][V_CHUNKS];
+        for (int g = 0; g < QUERIES_PER_KV; g++)
+            for (int c = 0; c < V_CHUNKS; c++) sums[g][c] = vmul(h->acc[g][c0 + c], vset1(correction[g]));
+        for (int i = 0; i < valid; i++)
+            for (int c = 0; c < V_CHUNKS; c++) {
+                const vfloat v = vload(rows[i] + value_offset + (c0 + c) * LANES);
+                for (int g = 0; g < QUERIES_PER_KV; g++) sums[g][c] = vfmadd(vset1(scores[g][i]), v, sums[g][c]);
+            }
+        for (int g = 0; g < QUERIES_PER_KV; g++)
+            for (int c = 0; c < V_CHUNKS; c++) h->acc[g][c0 + c] = sums[g][c];
+    }
+}
+
+// out[head][QUERIES_PER_KV][HEAD_DIM] = softmax(q k^T * scale) v over the first `keys` keys of one sequence, for
+// its KV heads [first_head, first_head + heads) (heads <= MAX_TASK_HEADS); q and out: those heads' query rows,
+// contiguous. The heads go through each tile together, so that the cache's rows are read whole, in order.
+static void attend_heads(const float *q, float *out, const float *cache, const int64_t *table, int block_size,
+                         int num_kv_heads, int first_head, int heads, int64_t keys, float scale) {
+    const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM, group_width = QUERIES_PER_KV * HEAD_DIM;
+    head_state state[MAX_TASK_HEADS];
+    for (int h = 0; h < heads; h++) head_start(&state[h], q + h * group_width, scale);
     for (int64_t start = 0; start < keys; start += TILE) {
         const int valid = keys - start < TILE ? (int)(keys - start) : TILE;
+        // A short tile's rows past `valid` repeat its last key, so that whole groups of KEYS are scored; their
+        // scores are dropped.
         const float *rows[TILE];
-        float scores[QUERIES_PER_KV][TILE];
-        for (int i = 0; i < valid; i++) {
-            const int64_t position = start + i;
+        for (int i = 0; i < TILE; i++) {
+            const int64_t position = start + (i < valid ? i : valid - 1);
             rows[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
-            for (int g = 0; g < QUERIES_PER_KV; g++) {
-                vfloat dot = vmul(query[g][0], vload(rows[i] + key_offset));
-                for (int c = 1; c < CHUNKS; c++) dot = vfmadd(query[g][c], vload(rows[i] + key_offset + c * LANES), dot);
-                scores[g][i] = vsum(dot);
-            }
         }
-        for (int g = 0; g < QUERIES_PER_KV; g++) {
-            float new_max = running_max[g];
-            for (int i = 0; i < valid; i++) new_max = scores[g][i] > new_max ? scores[g][i] : new_max;
-            const float correction = expf(running_max[g] - new_max);
-            running_sum[g] *= correction;
-            for (int i = valid; i < TILE; i++) scores[g][i] = -INFINITY;  // a short tile's unused lanes
-            for (int i = 0; i < TILE; i += LANES)
-                vstore(scores[g] + i, vexp(vadd(vload(scores[g] + i), vset1(-new_max))));
-            for (int i = 0; i < valid; i++) running_sum[g] += scores[g][i];
-            running_max[g] = new_max;
-            for (int c = 0; c < CHUNKS; c++) acc[g][c] = vmul(acc[g][c], vset1(correction));
+        for (int h = 0; h < heads; h++) {
+            const int kv_head = first_head + h;
+            head_tile(&state[h], rows, valid, (int64_t)kv_head * HEAD_DIM, (int64_t)(num_kv_heads + kv_head) * HEAD_DIM);
         }
-        for (int i = 0; i < valid; i++)
-            for (int c = 0; c < CHUNKS; c++) {
-                const vfloat v = vload(rows[i] + value_offset + c * LANES);
-                for (int g = 0; g < QUERIES_PER_KV; g++) acc[g][c] = vfmadd(vset1(scores[g][i]), v, acc[g][c]);
-            }
     }
-    for (int g = 0; g < QUERIES_PER_KV; g++)
-        for (int c = 0; c < CHUNKS; c++)
-            vstore(out + g * HEAD_DIM + c * LANES, vmul(acc[g][c], vset1(1.0f / running_sum[g])));
+    for (int h = 0; h < heads; h++)
+        for (int g = 0; g < QUERIES_PER_KV; g++)
+            for (int c = 0; c < CHUNKS; c++)
+                vstore(out + h * group_width + g * HEAD_DIM + c * LANES,
+                       vmul(state[h].acc[g][c], vset1(1.0f / state[h].running_sum[g])));
+}
+
+// KV heads per task for `rows` query rows on the region's threads: a sequence's all (up to MAX_TASK_HEADS), its
+// rows read whole, where there are rows enough to keep every thread busy; else one, for more tasks.
+static int task_heads(int64_t rows, int num_kv_heads) {
+    const int all = num_kv_heads < MAX_TASK_HEADS ? num_kv_heads : MAX_TASK_HEADS;
+    return rows >= 4 * omp_get_num_threads() && num_kv_heads % all == 0 ? all : 1;
 }
 
 // q [num_seqs, heads, HEAD_DIM] (row stride q_row_stride); block_tables [num_seqs, max_blocks]; context_lens
@@ -76,13 +126,15 @@ static void paged_decode_attention_f32_tasks(const float *q, int64_t q_row_strid
                                              const int64_t *context_lens, float *out, int num_seqs,
                                              int num_kv_heads, int block_size, float scale) {
     const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM;
+    const int heads = task_heads(num_seqs, num_kv_heads), tasks_per_seq = num_kv_heads / heads;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < (int64_t)num_seqs * num_kv_heads; task++) {
-        const int64_t seq = task / num_kv_heads;
-        const int kv_head = (int)(task % num_kv_heads);
-        attend_group(q + seq * q_row_stride + kv_head * group_width,
-                     out + seq * num_kv_heads * group_width + kv_head * group_width, cache,
-                     block_tables + seq * max_blocks, block_size, num_kv_heads, kv_head, context_lens[seq], scale);
+    for (int64_t task = 0; task < (int64_t)num_seqs * tasks_per_seq; task++) {
+        const int64_t seq = task / tasks_per_seq;
+        const int first_head = (int)(task % tasks_per_seq) * heads;
+        attend_heads(q + seq * q_row_stride + first_head * group_width,
+                     out + seq * num_kv_heads * group_width + first_head * group_width, cache,
+                     block_tables + seq * max_blocks, block_size, num_kv_heads, first_head, heads, context_lens[seq],
+                     scale);
     }
 }
 
@@ -105,16 +157,17 @@ static void paged_prefill_attention_f32_tasks(const float *q, int64_t q_row_stri
                                               int num_seqs, int num_kv_heads, int block_size, float scale) {
     const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM;
     const int64_t num_rows = query_starts[num_seqs];
+    const int heads = task_heads(num_rows, num_kv_heads), tasks_per_row = num_kv_heads / heads;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t task = 0; task < num_rows * num_kv_heads; task++) {
-        const int64_t row = task / num_kv_heads;
-        const int kv_head = (int)(task % num_kv_heads);
+    for (int64_t task = 0; task < num_rows * tasks_per_row; task++) {
+        const int64_t row = task / tasks_per_row;
+        const int first_head = (int)(task % tasks_per_row) * heads;
         int seq = 0;
         while (query_starts[seq + 1] <= row) seq++;
         const int64_t keys = context_lens[seq] - (query_starts[seq + 1] - 1 - row);  // causal: up to its own
-        attend_group(q + row * q_row_stride + kv_head * group_width,
-                     out + row * num_kv_heads * group_width + kv_head * group_width, cache,
-                     block_tables + seq * max_blocks, block_size, num_kv_heads, kv_head, keys, scale);
+        attend_heads(q + row * q_row_stride + first_head * group_width,
+                     out + row * num_kv_heads * group_width + first_head * group_width, cache,
+                     block_tables + seq * max_blocks, block_size, num_kv_heads, first_head, heads, keys, scale);
     }
 }
 
