@@ -59,6 +59,15 @@ def test_panic_scales_up_at_once_in_proportion_and_ignores_the_up_delay():
     assert scaler.decide(observe(1, 2, in_flight=16, queued=16, stable=0.5, panic=0.5)).desired == 4
 
 
+def test_requests_held_for_a_replica_just_admitted_are_not_a_queue_overflow():
+    # Scale from zero: the held requests fill the new replica's free slots, about to be dispatched.
+    scaler = policy(min_replicas=0)
+    assert scaler.decide(observe(0, 0, queued=8)).reason == "activate"
+    assert scaler.decide(observe(1, 1, queued=8, stable=0.5)).desired == 1
+    # One more than its slots overflows.
+    assert scaler.decide(observe(2, 1, queued=9, stable=0.5)) == Decision(2, "panic", "9 queued on 1 ready")
+
+
 def test_panic_only_scales_up_and_blocks_scale_down_for_a_stable_window():
     scaler = policy(scale_down_delay_s=0)
     scaler.decide(observe(0, 4, panic=2.5))

@@ -142,7 +142,10 @@ class AutoscalingPolicy:
             return Decision(current, "hold")
 
         panic_ratio, panic_worst = self._worst_ratio(obs.panic) if latencies_current else (0.0, "none")
-        queue_overflows = obs.ready > 0 and obs.queued >= obs.ready * obs.capacity_per_replica
+        # A queue as long as every ready slot, some of it waiting for one: held requests that the free slots
+        # take at once (just after a replica's admission) are about to be dispatched, not an overflow.
+        slots = obs.ready * obs.capacity_per_replica
+        queue_overflows = obs.ready > 0 and obs.queued >= slots and obs.queued + obs.in_flight > slots
         if panic_ratio >= PANIC_RATIO or queue_overflows:
             self._panic_until = obs.now + config.stable_window_s
             self._scale_down_ok_since = None
