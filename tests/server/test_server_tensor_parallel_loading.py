@@ -166,12 +166,19 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
         # rank's columns are a part of every row, so it reads most pages of those tensors.
         assert peak < 0.75 * full_peak, (reports, full_peak)
 
-    # An allowance between what one rank needs with the whole model and what it needs with half of it.
-    limit = (one_rank_data.peak + two_rank_data.peak) // 2
-    with pytest.raises(RuntimeError, match="ember serve exited with 1"):
+    # An allowance between what one rank needs with the whole model and what it needs with half of it, a
+    # quarter of the way up from the latter: a sampled peak overstates the need (the heap keeps what it freed
+    # while unlimited; under the limit it reuses it), and the midpoint let one rank load in some runs.
+    peaks = f"VmData peaks: one rank {one_rank_data.peak}, two ranks {two_rank_data.peak}"
+    limit = two_rank_data.peak + (one_rank_data.peak - two_rank_data.peak) // 4
+    try:
         # Stopped at once should it start after all, so a failing run leaves no server behind.
         # As the one-rank reference ran: with auto's blocks and int8 copies it would need less (Zen 4).
         ServerProcess(model, tmp_path / "tp1-limited.log", "--quantization", "none", data_limit=limit).stop()
+    except RuntimeError as error:
+        assert "ember serve exited with 1" in str(error)
+    else:
+        pytest.fail(f"one rank loaded the whole model within {limit} bytes ({peaks})")
     assert "cannot allocate memory" in (tmp_path / "tp1-limited.log").read_text().lower()
     limited = ServerProcess(
         model, tmp_path / "tp2-limited.log", "--tensor-parallel-size", "2", data_limit=limit
