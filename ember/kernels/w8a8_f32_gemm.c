@@ -18,6 +18,7 @@
 #define W8A8_F32_ROWS 4       // rows per register tile: 4 x 2 int32 accumulators, 2 weight vectors, 4 helpers
 #define W8A8_F32_OUTPUTS 16   // outputs per tile: half a panel, one 64-byte line per 4 k
 #define W8A8_F32_PREFETCH 4096  // bytes of weights requested ahead by a half panel's first tile
+#define W8A8_F32_CHUNK 4  // half panels a thread takes at a time
 
 // This thread's quantized activations, grown as a step's rows need (kept from call to call, like
 // w8a8_panel_gemm.c's).
@@ -112,15 +113,14 @@ static void w8a8_f32_rows(const int8_t *q, const float *x_scales, int64_t k, con
 }
 
 // out [rows, n] = x [rows, k] (float32, row stride x_stride) @ W^T + bias (float32 or NULL), W the INT8_PANELS
-// weight `panels` with per-row `col_scales`, n a multiple of 32 and k of W8A8_GROUP: this thread's
-// contiguous run of half panels, every row of them (the half panel stays in L1 from one row tile to the next).
-// Every thread quantizes all the rows itself (rows x k operations against the GEMM's rows x k x n / threads),
-// so that no barrier is needed; none at the end either: callers inside a region add one.
+// weight `panels` with per-row `col_scales`, n a multiple of 32 and k of W8A8_GROUP: the region's threads take
+// runs of W8A8_F32_CHUNK half panels as they finish the last (a thread the VM's host holds back takes fewer),
+// every row of them (the half panel stays in L1 from one row tile to the next). Every thread quantizes all the
+// rows itself (rows x k operations against the GEMM's rows x k x n / threads), so that no barrier is needed;
+// none at the end either: callers inside a region add one.
 static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, const float *x, int64_t x_stride,
                                 const float *bias, float *out, int rows, int64_t n, int64_t k) {
-    const int64_t halves = n / W8A8_F32_OUTPUTS, thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t begin = halves * thread / threads, end = halves * (thread + 1) / threads;
-    if (begin == end) return;
+    const int64_t halves = n / W8A8_F32_OUTPUTS;
     const int64_t groups = k / W8A8_GROUP;
     const size_t bytes = (size_t)rows * ((size_t)groups * sizeof(float) + (size_t)k);
     if (bytes > w8a8_f32_scratch_bytes) {
@@ -131,7 +131,8 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
     float *x_scales = (float *)w8a8_f32_scratch;
     int8_t *q = (int8_t *)(x_scales + (size_t)rows * (size_t)groups);
     w8a8_f32_quantize_rows(x, x_stride, rows, k, q, x_scales);
-    for (int64_t h = begin; h < end; h++) {
+#pragma omp for schedule(dynamic, W8A8_F32_CHUNK) nowait
+    for (int64_t h = 0; h < halves; h++) {
         // Half h: panel h / 2's half h % 2, whose k / 4 lines follow each other.
         const uint8_t *lines = (const uint8_t *)panels + (h / 2) * 2 * W8A8_F32_OUTPUTS * k + (h % 2) * (k / 4) * 64;
         for (int first = 0; first < rows; first += W8A8_F32_ROWS)
