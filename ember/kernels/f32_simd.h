@@ -49,21 +49,33 @@ static inline vfloat vpow2(vfloat n) {
 
 static inline vfloat vzero(void) { return vset1(0.0f); }
 
-// out[j] = the sum of v[j]'s lanes, for 8 vectors at once: one tree of pairwise adds instead of 8 reductions.
+// out[j] = the sum of v[j]'s lanes, for 8 vectors at once, added in vsum's order (the halves' lanes, then pairs
+// of those, then the last two) so that the sums are vsum's bit for bit: the float32 attention's scores, which
+// greedy answers turn on, did not change with it.
 static inline void vsum8(const vfloat v[8], float *out) {
-    __m256 half[8];
-    for (int j = 0; j < 8; j++) {
-#ifdef __AVX512F__
-        half[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j]),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[j]), 1)));
+    __m256 pairs[4];  // [v[2j]'s 4 sums of lanes i and i + 4 | v[2j + 1]'s]
+    for (int j = 0; j < 4; j++) {
+        __m256 a, b;
+#ifdef __AVX512F__  // first the 512-bit halves, as _mm512_reduce_add_ps
+        a = _mm256_add_ps(_mm512_castps512_ps256(v[2 * j]),
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[2 * j]), 1)));
+        b = _mm256_add_ps(_mm512_castps512_ps256(v[2 * j + 1]),
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[2 * j + 1]), 1)));
 #else
-        half[j] = v[j];
+        a = v[2 * j];
+        b = v[2 * j + 1];
 #endif
+        pairs[j] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
     }
-    // Lanes of the second hadds: [s0 s1 s2 s3 | s0 s1 s2 s3] (each from its 128-bit half), likewise for 4-7.
-    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31)));
+    // Lanes 0 + 2 and 1 + 3 of each sum of four: [v0 v0 v2 v2 | v1 v1 v3 v3], then likewise for v4-v7.
+    __m256 quads[2];
+    for (int j = 0; j < 2; j++)
+        quads[j] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // The last two of each: [v0 v2 v4 v6 | v1 v3 v5 v7], then in order.
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 // exp(x) = 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative error ~2e-7,
