@@ -2,8 +2,9 @@
 // ([blocks, block_size, 2 (K, V), num_kv_heads, HEAD_DIM] per layer), on AVX-512 or AVX2 + FMA vectors
 // (f32_simd.h). HEAD_DIM (a multiple of 16) and QUERIES_PER_KV are compile-time constants (build.py).
 //
-// One task per (query token, KV head): the token's QUERIES_PER_KV query heads stream their keys once, TILE
-// keys at a time, with an online softmax (flash-decoding; the tile's exponentials by f32_simd.h's vexp, as
+// One task per query token and KV head, or per query token and all its KV heads where there are tokens enough
+// for every thread (task_heads): each KV head's QUERIES_PER_KV query heads stream their keys once, TILE keys at a
+// time, with an online softmax (flash-decoding; the tile's exponentials by f32_simd.h's vexp, as
 // the bfloat16 kernel's, not a libm call per key), then the tile's V rows into float32 accumulators.
 // A prompt chunk's query at position p attends keys [0, p] (causal); a decode query all of its sequence's.
 #include <math.h>
