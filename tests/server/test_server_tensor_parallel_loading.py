@@ -110,18 +110,29 @@ def children(pid: int | str) -> list[int]:
         return []
 
 
-class PeakData:
-    """Samples the VmData of this test's child processes (the server) and their children (its tensor-parallel
-    workers) while it starts and serves: the most any one reached. Loading briefly needs more than serving
-    (a tensor read, then converted; heap grown around temporaries), and the limit must allow for that."""
+def serves(pid: int, model: Path) -> bool:
+    """An `ember serve` of this model: pytest's other children (servers and supervisors that tests before
+    this one left running, replicas their threads restart) load other models and must not count."""
+    try:
+        return str(model).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
-    def __init__(self) -> None:
+
+class PeakData:
+    """Samples the VmData of the `ember serve` processes of `model` this block starts and of their children
+    (its tensor-parallel workers) while they start and serve: the most any one reached. Loading briefly needs
+    more than serving (a tensor read, then converted; heap grown around temporaries), and the limit must allow
+    for that."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
         self.peak = 0
+        self.peak_pid = 0  # the process that reached it: the server or, on two ranks, a worker
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> PeakData:
-        # Servers other tests' fixtures keep running are not this block's: only processes started in it count.
         self._earlier = set(children("self"))
         self._thread.start()
         return self
@@ -129,8 +140,11 @@ class PeakData:
     def _sample(self) -> None:
         while not self._done.wait(0.002):
             for server in set(children("self")) - self._earlier:
-                processes = [pid for pid in [server, *children(server)] if is_python(pid)]
-                self.peak = max([self.peak, *(data_bytes(pid) for pid in processes)])
+                if not serves(server, self.model):
+                    continue
+                for pid in [server, *children(server)]:
+                    if is_python(pid) and (data := data_bytes(pid)) > self.peak:
+                        self.peak, self.peak_pid = data, pid
 
     def __exit__(self, *exc_info: object) -> None:
         self._done.set()
@@ -143,7 +157,7 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
     model_format, request, tmp_path
 ):
     model = request.getfixturevalue(f"large_{model_format}_model")
-    with PeakData() as one_rank_data:
+    with PeakData(model) as one_rank_data:
         # The weights dequantized at load, as each rank holds them (quantization auto is none under TP).
         one = ServerProcess(model, tmp_path / "tp1.log", "--quantization", "none")
         try:
@@ -152,7 +166,7 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
             one.stop()
     ((full_weights, full_peak),) = load_reports(one).values()
 
-    with PeakData() as two_rank_data:
+    with PeakData(model) as two_rank_data:
         two = ServerProcess(model, tmp_path / "tp2.log", "--tensor-parallel-size", "2")
         try:
             assert completions(two) == expected
@@ -169,7 +183,10 @@ def test_ranks_load_their_slices_and_a_model_too_large_for_one_rank_serves_on_tw
     # An allowance between what one rank needs with the whole model and what it needs with half of it, a
     # quarter of the way up from the latter: a sampled peak overstates the need (the heap keeps what it freed
     # while unlimited; under the limit it reuses it), and the midpoint let one rank load in some runs.
-    peaks = f"VmData peaks: one rank {one_rank_data.peak}, two ranks {two_rank_data.peak}"
+    peaks = (
+        f"VmData peaks: one rank {one_rank_data.peak} (pid {one_rank_data.peak_pid}), "
+        f"two ranks {two_rank_data.peak} (pid {two_rank_data.peak_pid}; server pid {two.proc.pid})"
+    )
     limit = two_rank_data.peak + (one_rank_data.peak - two_rank_data.peak) // 4
     try:
         # Stopped at once should it start after all, so a failing run leaves no server behind.
