@@ -4,6 +4,7 @@ Nothing here is thread-safe; AsyncEngine drives one LLMEngine from a single thre
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -79,6 +80,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          sorted(eos_token_ids))
+        # What loading left (modules, the tokenizer, torch's and the libraries' objects) lives as long as the
+        # engine: out of the collector's sight, its full collections during steps scan only what steps make
+        # (they took 1.7% of a c=32 run's samples, as vLLM found and fixed the same way).
+        gc.collect()
+        gc.freeze()
 
     # ---- requests -----------------------------------------------------------------------------
 
