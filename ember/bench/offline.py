@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ember.bench.datasets import LengthRange, PromptGenerator
 from ember.bench.report import write_json
 from ember.engine.args import EngineArgs
+from ember.engine.llm_engine import freeze_startup_objects
 from ember.errors import EmberError
 from ember.loader import LoadedModel, load_model
 
@@ -144,6 +145,7 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise EmberError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     llm = LLM(**dataclasses.asdict(engine_args))
+    freeze_startup_objects()
     if input_len.high + output_len.high > llm.engine.max_model_len:
         raise EmberError(f"--input-len + --output-len reach {input_len.high + output_len.high} tokens, over the "
                          f"model's max length {llm.engine.max_model_len}")

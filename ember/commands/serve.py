@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.engine.args import EngineArgs
     from ember.engine.async_engine import AsyncEngine
+    from ember.engine.llm_engine import freeze_startup_objects
     from ember.http_protocol import header_timeout_protocol
     from ember.server.app import create_app
     from ember.server.lifecycle import DrainingServer
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     )
     http_protocol = header_timeout_protocol(args.header_timeout)
     engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    freeze_startup_objects()
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
