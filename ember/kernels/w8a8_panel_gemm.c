@@ -163,7 +163,7 @@ static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint
 // acc + the dot products of u (unsigned bytes) and q (4 signed bytes, broadcast to every lane). In assembly:
 // GCC 12 copies the intrinsic's accumulator through other registers and the stack in the tile's loop (2.5x
 // slower there). The broadcast is a register the row's two products share: as the instruction's memory operand
-// each product loaded it again, and the loads held the loop (13-15% slower at 256 rows, Zen 5).
+// each product loaded it again, and the loads held the loop (docs/benchmarks.md, Zen 5).
 static inline __m512i w8a8_dot(__m512i acc, __m512i u, __m512i q) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(q));
     return acc;
@@ -190,7 +190,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64
             }
             const __m512i wa = _mm512_load_si512(w0 + p * 64), wb = _mm512_load_si512(w1 + p * 64);
             for (int m = 0; m < rows; m++) {
-                const __m512i q = _mm512_set1_epi32(*(const int32_t *)(a.q + m * k + 4 * p));
+                const __m512i q = _mm512_broadcastd_epi32(_mm_loadu_si32(a.q + m * k + 4 * p));
                 acc0[m] = w8a8_dot(acc0[m], wa, q);
                 acc1[m] = w8a8_dot(acc1[m], wb, q);
             }
