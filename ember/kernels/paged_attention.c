@@ -60,58 +60,67 @@ static inline void load_bf16_split(const uint16_t *p, __m512 *parts) {
     }
 }
 
-// out = softmax(q k^T * scale) v for the query heads of KV heads [first_head, first_head + num_heads) of one
-// query token, over keys [0, keys) of its sequence (block table `table`): q and out point at the first of those
-// query heads (num_heads * QUERIES_PER_KV rows of HEAD_DIM, contiguous). Several KV heads in one call read
-// whole cache rows, which the hardware prefetchers follow better than a part of each.
+// out = softmax(q k^T * scale) v for the query heads of KV heads [first_head, first_head + num_heads) of `rows`
+// consecutive query tokens of one sequence (block table `table`), row r over keys [0, keys + r) (causal: a prompt
+// chunk's rows; decode has one): row r's q and out point at q + r * q_stride and out + r * out_stride, each the
+// first of those query heads (num_heads * QUERIES_PER_KV rows of HEAD_DIM, contiguous). Several KV heads in one
+// call read whole cache rows, which the hardware prefetchers follow better than a part of each; several query
+// rows in one call score each key row loaded against all of them, and read its V again from L1.
 // Scores: with AVX512-BF16, q . k in vdpbf16ps straight from the cache's bfloat16 (products exact, pairs
 // summed in float32), else float32 FMAs of the split rows; the scale multiplies each tile's scores once.
-// P stays float32: the V rows are split as above and accumulated by FMAs in the split order.
-static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache, const int64_t *table,
-                         int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
-                         float scale) {
+// P stays float32: the V rows are split as above and accumulated by FMAs in the split order. Each row's
+// arithmetic is the same, in the same order, whatever `rows` is. Inlined per row count (a constant).
+static inline __attribute__((always_inline)) void attend_rows(
+    const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, const uint16_t *cache,
+    const int64_t *table, int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
+    float scale, const int rows) {
     const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM;
     const int num_queries = num_heads * QUERIES_PER_KV;
-    // Per query head: fp32 output accumulator (split order), running max and softmax sum.
-    float acc[num_queries * HEAD_DIM] __attribute__((aligned(64)));
-    float running_max[num_queries], running_sum[num_queries];
-    for (int h = 0; h < num_queries; h++) {
+    // Per row and query head: fp32 output accumulator (split order), running max and softmax sum.
+    float acc[rows * num_queries * HEAD_DIM] __attribute__((aligned(64)));
+    float running_max[rows * num_queries], running_sum[rows * num_queries];
+    for (int h = 0; h < rows * num_queries; h++) {
         for (int c = 0; c < CHUNKS; c++) _mm512_store_ps(acc + h * HEAD_DIM + c * 16, _mm512_setzero_ps());
         running_max[h] = -INFINITY;
         running_sum[h] = 0.0f;
     }
     const __m512 scale_vector = _mm512_set1_ps(scale);
+    const int64_t last_keys = keys + rows - 1;  // the last row's, the most
 
-    for (int64_t start = 0; start < keys; start += TILE) {
-        const int64_t valid = keys - start < TILE ? keys - start : TILE;
-        const __mmask16 mask = tile_mask(valid);
-        const uint16_t *rows[TILE];
-        cache_rows(cache, table, block_size, token_stride, start, valid, rows);
+    for (int64_t start = 0; start < last_keys; start += TILE) {
+        const int64_t valid = last_keys - start < TILE ? last_keys - start : TILE;
+        int64_t row_valid[rows];  // keys of this tile row r attends (none: <= 0)
+        for (int r = 0; r < rows; r++) row_valid[r] = keys + r - start < TILE ? keys + r - start : TILE;
+        const uint16_t *cache_row[TILE];
+        cache_rows(cache, table, block_size, token_stride, start, valid, cache_row);
         // The next tile's rows are scattered over blocks: the loop below requests them into L2 while it
         // computes this tile, one row's K and V of the head at hand per key. Spread like this, the
         // requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until
         // the line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads.
-        const int64_t next_valid = keys - start - AHEAD < TILE ? keys - start - AHEAD : TILE;
+        const int64_t next_valid = last_keys - start - AHEAD < TILE ? last_keys - start - AHEAD : TILE;
         const uint16_t *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
         for (int kv = 0; kv < num_heads; kv++) {
             const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;
             const int64_t value_offset = (int64_t)(num_kv_heads + first_head + kv) * HEAD_DIM;
-            const uint16_t *group_q = q + kv * QUERIES_PER_KV * HEAD_DIM;
-            float *group_acc = acc + kv * QUERIES_PER_KV * HEAD_DIM;
 #ifdef __AVX512BF16__
-            __m512bh qv[QUERIES_PER_KV][HEAD_DIM / 32];
-            for (int g = 0; g < QUERIES_PER_KV; g++)
-                for (int c = 0; c < HEAD_DIM / 32; c++)
-                    qv[g][c] = (__m512bh)_mm512_loadu_si512(group_q + g * HEAD_DIM + c * 32);
+            __m512bh qv[rows][QUERIES_PER_KV][HEAD_DIM / 32];
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < QUERIES_PER_KV; g++)
+                    for (int c = 0; c < HEAD_DIM / 32; c++)
+                        qv[r][g][c] = (__m512bh)_mm512_loadu_si512(
+                            q + r * q_stride + (kv * QUERIES_PER_KV + g) * HEAD_DIM + c * 32);
 #else
-            __m512 qv[QUERIES_PER_KV][CHUNKS];
-            for (int g = 0; g < QUERIES_PER_KV; g++) load_bf16_split(group_q + g * HEAD_DIM, qv[g]);
+            __m512 qv[rows][QUERIES_PER_KV][CHUNKS];
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < QUERIES_PER_KV; g++)
+                    load_bf16_split(q + r * q_stride + (kv * QUERIES_PER_KV + g) * HEAD_DIM, qv[r][g]);
 #endif
-            __m512 dots[QUERIES_PER_KV][TILE];
+            __m512 dots[rows][QUERIES_PER_KV][TILE];
             for (int i = 0; i < TILE; i++) {
                 if (i >= valid) {
-                    for (int g = 0; g < QUERIES_PER_KV; g++) dots[g][i] = _mm512_setzero_ps();
+                    for (int r = 0; r < rows; r++)
+                        for (int g = 0; g < QUERIES_PER_KV; g++) dots[r][g][i] = _mm512_setzero_ps();
                     continue;
                 }
                 if (i < next_valid)
@@ -122,62 +131,85 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
 #ifdef __AVX512BF16__
                 __m512bh k[HEAD_DIM / 32];
                 for (int c = 0; c < HEAD_DIM / 32; c++)
-                    k[c] = (__m512bh)_mm512_loadu_si512(rows[i] + key_offset + c * 32);
-                for (int g = 0; g < QUERIES_PER_KV; g++) {
-                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k[0]);
-                    for (int c = 1; c < HEAD_DIM / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[g][c], k[c]);
-                    dots[g][i] = dot;
-                }
+                    k[c] = (__m512bh)_mm512_loadu_si512(cache_row[i] + key_offset + c * 32);
 #else
                 __m512 k[CHUNKS];
-                load_bf16_split(rows[i] + key_offset, k);
-                for (int g = 0; g < QUERIES_PER_KV; g++) {
-                    __m512 dot = _mm512_mul_ps(qv[g][0], k[0]);
-                    for (int c = 1; c < CHUNKS; c++) dot = _mm512_fmadd_ps(qv[g][c], k[c], dot);
-                    dots[g][i] = dot;
-                }
+                load_bf16_split(cache_row[i] + key_offset, k);
 #endif
+                for (int r = 0; r < rows; r++)
+                    for (int g = 0; g < QUERIES_PER_KV; g++) {
+                        if (i >= row_valid[r]) {
+                            dots[r][g][i] = _mm512_setzero_ps();
+                            continue;
+                        }
+#ifdef __AVX512BF16__
+                        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][g][0], k[0]);
+                        for (int c = 1; c < HEAD_DIM / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[r][g][c], k[c]);
+#else
+                        __m512 dot = _mm512_mul_ps(qv[r][g][0], k[0]);
+                        for (int c = 1; c < CHUNKS; c++) dot = _mm512_fmadd_ps(qv[r][g][c], k[c], dot);
+#endif
+                        dots[r][g][i] = dot;
+                    }
             }
-            // Online softmax: rescale what was accumulated when this tile raises a head's maximum.
-            float probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
-            __m512 group_out[QUERIES_PER_KV][CHUNKS];
-            for (int g = 0; g < QUERIES_PER_KV; g++) {
-                const int h = kv * QUERIES_PER_KV + g;
-                const __m512 scores = _mm512_mul_ps(sum_lanes16(dots[g]), scale_vector);
-                const float tile_max = _mm512_mask_reduce_max_ps(mask, scores);
-                const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
-                const float correction = expf(running_max[h] - new_max);
-                const __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-                _mm512_store_ps(probs[g], p);
-                running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
-                running_max[h] = new_max;
-                for (int c = 0; c < CHUNKS; c++)
-                    group_out[g][c] = _mm512_mul_ps(_mm512_load_ps(group_acc + g * HEAD_DIM + c * 16),
-                                                    _mm512_set1_ps(correction));
-            }
-            for (int i = 0; i < valid; i++) {
-                __m512 v[CHUNKS];
-                load_bf16_split(rows[i] + value_offset, v);
+            for (int r = 0; r < rows; r++) {
+                if (row_valid[r] <= 0) continue;  // its keys ended in an earlier tile
+                const __mmask16 mask = tile_mask(row_valid[r]);
+                float *group_acc = acc + (r * num_queries + kv * QUERIES_PER_KV) * HEAD_DIM;
+                // Online softmax: rescale what was accumulated when this tile raises a head's maximum.
+                float probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
+                __m512 group_out[QUERIES_PER_KV][CHUNKS];
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
-                    const __m512 p = _mm512_set1_ps(probs[g][i]);
-                    for (int c = 0; c < CHUNKS; c++) group_out[g][c] = _mm512_fmadd_ps(p, v[c], group_out[g][c]);
+                    const int h = r * num_queries + kv * QUERIES_PER_KV + g;
+                    const __m512 scores = _mm512_mul_ps(sum_lanes16(dots[r][g]), scale_vector);
+                    const float tile_max = _mm512_mask_reduce_max_ps(mask, scores);
+                    const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
+                    const float correction = expf(running_max[h] - new_max);
+                    const __m512 p =
+                        _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+                    _mm512_store_ps(probs[g], p);
+                    running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
+                    running_max[h] = new_max;
+                    for (int c = 0; c < CHUNKS; c++)
+                        group_out[g][c] = _mm512_mul_ps(_mm512_load_ps(group_acc + g * HEAD_DIM + c * 16),
+                                                        _mm512_set1_ps(correction));
                 }
+                for (int i = 0; i < row_valid[r]; i++) {
+                    __m512 v[CHUNKS];
+                    load_bf16_split(cache_row[i] + value_offset, v);
+                    for (int g = 0; g < QUERIES_PER_KV; g++) {
+                        const __m512 p = _mm512_set1_ps(probs[g][i]);
+                        for (int c = 0; c < CHUNKS; c++)
+                            group_out[g][c] = _mm512_fmadd_ps(p, v[c], group_out[g][c]);
+                    }
+                }
+                for (int g = 0; g < QUERIES_PER_KV; g++)
+                    for (int c = 0; c < CHUNKS; c++)
+                        _mm512_store_ps(group_acc + g * HEAD_DIM + c * 16, group_out[g][c]);
             }
-            for (int g = 0; g < QUERIES_PER_KV; g++)
-                for (int c = 0; c < CHUNKS; c++) _mm512_store_ps(group_acc + g * HEAD_DIM + c * 16, group_out[g][c]);
         }
     }
     // Back from the split order: each 32-bit pair of the output is (even value, odd value), both rounded.
-    for (int h = 0; h < num_queries; h++) {
-        const __m512 inverse_sum = _mm512_set1_ps(1.0f / running_sum[h]);
-        for (int c = 0; c < HEAD_DIM / 32; c++) {
-            const __m512i even = _mm512_castps_si512(
-                round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + 2 * c * 16), inverse_sum)));
-            const __m512i odd = _mm512_castps_si512(
-                round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + h * HEAD_DIM + (2 * c + 1) * 16), inverse_sum)));
-            _mm512_storeu_si512(out + h * HEAD_DIM + c * 32, _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < num_queries; h++) {
+            const float *head_acc = acc + (r * num_queries + h) * HEAD_DIM;
+            const __m512 inverse_sum = _mm512_set1_ps(1.0f / running_sum[r * num_queries + h]);
+            for (int c = 0; c < HEAD_DIM / 32; c++) {
+                const __m512i even = _mm512_castps_si512(
+                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + 2 * c * 16), inverse_sum)));
+                const __m512i odd = _mm512_castps_si512(
+                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + (2 * c + 1) * 16), inverse_sum)));
+                _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32,
+                                    _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+            }
         }
-    }
+}
+
+// One query token: decode's call, and a prompt row's when a task is one (row, KV head).
+static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache, const int64_t *table,
+                         int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
+                         float scale) {
+    attend_rows(q, 0, out, 0, cache, table, block_size, num_kv_heads, first_head, num_heads, keys, scale, 1);
 }
 
 // q: [num_seqs, num_kv_heads * QUERIES_PER_KV, HEAD_DIM] with row stride q_row_stride (elements);
@@ -212,28 +244,58 @@ void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint1
 // Prompt chunks without AMX (paged_prefill_attention.c's contract): sequence s's queries are rows
 // [query_starts[s], query_starts[s + 1]) of q [T, heads, HEAD_DIM] (row stride q_row_stride), its last new
 // tokens, already in the cache; context_lens[s] counts its keys, new ones included -> out [T, heads * HEAD_DIM],
-// contiguous. Row by row: the query at position p attends keys [0, p]. Shares the tasks among the threads of the
-// enclosing parallel region (an orphaned `omp for` without its barrier: callers inside a region add one).
+// contiguous. Causal: the query at position p attends keys [0, p]. A task is up to ROW_GROUP consecutive rows of
+// one sequence with every KV head (a key row read once for all of them), or, when there are fewer rows than
+// threads, one (row, KV head). Shares the tasks among the threads of the enclosing parallel region (an orphaned
+// `omp for` without its barrier: callers inside a region add one).
+#define ROW_GROUP 4
+
 static void paged_prefill_attention_avx512_tasks(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
                                                  const int64_t *block_tables, int64_t max_blocks,
                                                  const int64_t *query_starts, const int64_t *context_lens,
                                                  uint16_t *out, int num_seqs, int num_kv_heads, int block_size,
                                                  float scale) {
-    const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM;
+    const int64_t group_width = (int64_t)QUERIES_PER_KV * HEAD_DIM, out_stride = num_kv_heads * group_width;
     const int64_t num_rows = query_starts[num_seqs];
-    const int heads_per_task = num_rows >= omp_get_num_threads() ? num_kv_heads : 1;
-    const int tasks_per_row = num_kv_heads / heads_per_task;
+    if (num_rows < omp_get_num_threads()) {
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t task = 0; task < num_rows * tasks_per_row; task++) {
+        for (int64_t task = 0; task < num_rows * num_kv_heads; task++) {
+            const int64_t row = num_rows - 1 - task / num_kv_heads;
+            const int head = (int)(task % num_kv_heads);
+            int seq = 0;
+            while (query_starts[seq + 1] <= row) seq++;
+            const int64_t keys = context_lens[seq] - (query_starts[seq + 1] - 1 - row);  // up to its own
+            attend_heads(q + row * q_row_stride + head * group_width, out + row * out_stride + head * group_width,
+                         cache, block_tables + seq * max_blocks, block_size, num_kv_heads, head, 1, keys, scale);
+        }
+        return;
+    }
+    int64_t num_groups = 0;
+    for (int s = 0; s < num_seqs; s++)
+        num_groups += (query_starts[s + 1] - query_starts[s] + ROW_GROUP - 1) / ROW_GROUP;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t task = 0; task < num_groups; task++) {
         // Last rows first: they see the most keys, and the shorter tasks left at the end even out the threads.
-        const int64_t row = num_rows - 1 - task / tasks_per_row;
-        const int first_head = (int)(task % tasks_per_row) * heads_per_task;
+        int64_t group = num_groups - 1 - task;
         int seq = 0;
-        while (query_starts[seq + 1] <= row) seq++;
-        const int64_t keys = context_lens[seq] - (query_starts[seq + 1] - 1 - row);  // causal: up to its own
-        attend_heads(q + row * q_row_stride + first_head * group_width,
-                     out + (row * num_kv_heads + first_head) * group_width, cache, block_tables + seq * max_blocks,
-                     block_size, num_kv_heads, first_head, heads_per_task, keys, scale);
+        for (;; seq++) {
+            const int64_t groups = (query_starts[seq + 1] - query_starts[seq] + ROW_GROUP - 1) / ROW_GROUP;
+            if (group < groups) break;
+            group -= groups;
+        }
+        const int64_t first = query_starts[seq] + group * ROW_GROUP;
+        const int64_t rows = query_starts[seq + 1] - first < ROW_GROUP ? query_starts[seq + 1] - first : ROW_GROUP;
+        const int64_t keys = context_lens[seq] - (query_starts[seq + 1] - 1 - first);  // the first row's
+#define ATTEND_ROWS(ROWS)                                                                                     \
+    attend_rows(q + first * q_row_stride, q_row_stride, out + first * out_stride, out_stride, cache,         \
+                block_tables + seq * max_blocks, block_size, num_kv_heads, 0, num_kv_heads, keys, scale, ROWS)
+        switch (rows) {
+            case 4: ATTEND_ROWS(4); break;
+            case 3: ATTEND_ROWS(3); break;
+            case 2: ATTEND_ROWS(2); break;
+            default: ATTEND_ROWS(1); break;
+        }
+#undef ATTEND_ROWS
     }
 }
 
