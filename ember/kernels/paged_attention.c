@@ -6,11 +6,11 @@
 // QUERIES_PER_KV (query heads sharing one KV head) are compile-time constants, so the query and accumulator
 // vectors of a KV head's query group stay in registers.
 //
-// One routine, attend_heads, answers one query token of one sequence for some of its KV heads over its first
-// `keys` keys. Decode calls it once per sequence (per (sequence, KV head) when there are fewer sequences than
-// threads) with every key; prompt chunks once per query row (per (row, KV head) when there are fewer rows than
-// threads) with the keys up to the row's own position (causal). It streams the cache rows once, 16 tokens at a
-// time: each token's row holds K then V of every KV head (layout of one layer: [num_blocks, block_size,
+// One routine, attend_rows, answers consecutive query tokens of one sequence for some of its KV heads, each
+// over the keys up to its own position (causal). Decode calls it for one token per sequence (per (sequence, KV
+// head) when there are fewer sequences than threads) with every key; prompt chunks for up to ROW_GROUP rows of a
+// sequence (one (row, KV head) when there are fewer rows than threads). It streams the cache rows once, 16
+// tokens at a time: each token's row holds K then V of every KV head (layout of one layer: [num_blocks, block_size,
 // 2 (K, V), num_kv_heads, HEAD_DIM]), so the reads are sequential within a block. Per tile: scores of every
 // query head (fp32), an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators;
 // P stays float32. The gather + padded SDPA this replaces copies every key twice before reading it.
