@@ -111,8 +111,8 @@ def children(pid: int | str) -> list[int]:
 
 
 def serves(pid: int, model: Path) -> bool:
-    """An `ember serve` of this model: pytest's other children (servers and supervisors that tests before
-    this one left running, replicas their threads restart) load other models and must not count."""
+    """An `ember serve` of this model. Any other python child pytest starts while a block samples (in full runs
+    the two-rank peak once read 270 MB above its value alone, cause not found) is not this test's to count."""
     try:
         return str(model).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
