@@ -1,7 +1,7 @@
 """Time ember's native decode attention and GEMM kernels alone, over SmolLM2-135M's shapes (30 layers).
 
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py attention [--seqs 32 --context 220 --block-size 16]
-        [--queries N]
+        [--queries N] [--kv-cache-dtype int8]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py gemm [--rows 32 [64 ...]] [--hot] [--dtype float32]
         [--kernels avx512] [--vs-torch] [--per-call]
     .venv/bin/python benchmarks/engine/kernel_bandwidth.py quant [--rows 1] [--format q4_1] [--kernels LEVEL]
@@ -9,7 +9,8 @@
 
 attention: one decode step's attention over 30 layers' caches (32 sequences of 220 tokens in scrambled
 blocks: 162 MB of K/V, more than the caches hold), in GB/s of K/V read; --queries N > 1 times the prompt-chunk
-kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens). gemm: the 120 Linear layers of the
+kernel instead, N queries per sequence (a decode verifying N - 1 draft tokens); --kv-cache-dtype int8 reads an
+int8 cache (its bytes, scales included, are the GB/s). gemm: the 120 Linear layers of the
 30 decoder layers (qkv, o, gate_up, down) on each `--rows` count of rows, in GB/s of weights and TFLOP/s; --hot
 calls one weight of each shape 30 times instead, so it stays in cache (the kernel's arithmetic rate); --vs-torch
 times torch.nn.functional.linear on the same (unpacked) weights too, and in bfloat16 oneDNN on weights pre-packed
@@ -42,6 +43,7 @@ from ember.kernels.quantized_weight import (
     QuantizedWeight,
     int8_panels,
 )
+from ember.layers.kv_cache import allocate_kv_cache, write_kv
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERIES_PER_KV = 30, 3, 64, 3
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) per decoder layer
@@ -80,7 +82,14 @@ def per_call_best(calls: list[Callable[[], object]], repetitions: int = 10) -> f
 def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, queries: int) -> None:
     blocks_per_seq = -(-context // block_size)
     num_blocks = seqs * blocks_per_seq + 8
-    caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=kernels.dtype).unbind(0)
+    if kernels.kv_cache_element == torch.int8:
+        caches = allocate_kv_cache(LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM, kernels.dtype, "int8",
+                                   torch.device("cpu")).unbind(0)
+        for cache in caches:
+            k, v = torch.randn(2, num_blocks * block_size, KV_HEADS, HEAD_DIM, dtype=kernels.dtype)
+            write_kv(cache, torch.arange(num_blocks * block_size), k, v)
+    else:
+        caches = torch.randn(LAYERS, num_blocks, block_size, 2, KV_HEADS, HEAD_DIM, dtype=kernels.dtype).unbind(0)
     ids = list(range(num_blocks))
     random.Random(0).shuffle(ids)
     tables = torch.tensor([ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(seqs)])
@@ -96,7 +105,7 @@ def attention(kernels: NativeKernels, seqs: int, context: int, block_size: int, 
                 kernels.paged_prefill_attention(q, cache, tables, query_starts, context_lens, HEAD_DIM**-0.5)
 
     seconds = best_time(run)
-    kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * caches[0].element_size()
+    kv_bytes = LAYERS * seqs * context * caches[0][0, 0].numel() * caches[0].element_size()
     kind = "decode attention" if queries == 1 else f"prompt-chunk attention ({queries} queries per sequence)"
     print(f"{kind}, {seqs} x {context} tokens, {block_size}-token blocks: {seconds * 1e3:.2f} ms "
           f"for {LAYERS} layers, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V")
@@ -198,6 +207,8 @@ def main() -> None:
     parser.add_argument("--panels", action="store_true", help="quant: time the bfloat16 panels, the dequantize + "
                         "F.linear they replace and the native GEMM on the dequantized weights too")
     parser.add_argument("--kernels", choices=ISA_LEVELS[1:], default=None, help="ISA level (default: the CPU's)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="attention: the cache's format, as ember serve --kv-cache-dtype (default: %(default)s)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: CPU cores)")
     args = parser.parse_args()
     if args.num_threads:
@@ -206,7 +217,8 @@ def main() -> None:
         for rows in args.rows:
             quant(load_quant_gemm(args.kernels or "auto"), rows, args.format, args.panels)
         return
-    kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV, args.kernels or cpu_isa_level(), getattr(torch, args.dtype))
+    kernels = NativeKernels(HEAD_DIM, QUERIES_PER_KV, args.kernels or cpu_isa_level(), getattr(torch, args.dtype),
+                            kv_cache_dtype=args.kv_cache_dtype)
     if args.kernel == "attention":
         attention(kernels, args.seqs, args.context, args.block_size, args.queries)
     else:

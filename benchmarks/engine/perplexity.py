@@ -1,7 +1,8 @@
 """Perplexity of a model on a held-out text, scored by the engine itself through prompt_logprobs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine/perplexity.py --quantization none|gguf|int8 \\
-        [--model smollm2-135m-instruct] [--dtype float32] [--step-tokens 16] [--text FILE]
+        [--model smollm2-135m-instruct] [--dtype float32] [--kv-cache-dtype auto|int8] [--step-tokens 16] \\
+        [--text FILE]
 
 The text (default: texts/declaration_and_gettysburg.txt, the Declaration of Independence and the Gettysburg
 Address, public domain, ~2k SmolLM2 tokens) is one prompt; every token after the first is scored given the
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from ember import LLM, SamplingParams
-from ember.engine.args import DTYPE_CHOICES, QUANTIZATION_CHOICES
+from ember.engine.args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from ember.kernels import KERNEL_CHOICES
 
 DEFAULT_TEXT = Path(__file__).parent / "texts" / "declaration_and_gettysburg.txt"
@@ -73,6 +74,12 @@ def main() -> None:
         help="kernel ISA level, as ember serve --kernels (default: %(default)s)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help="the KV cache's format, as ember serve --kv-cache-dtype (default: %(default)s)",
+    )
+    parser.add_argument(
         "--step-tokens", type=int, default=16, help="prompt tokens per engine step (default: %(default)s)"
     )
     parser.add_argument(
@@ -92,6 +99,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         kernels=args.kernels,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.num_threads,
         max_num_batched_tokens=args.step_tokens,
         max_num_seqs=1,
@@ -106,6 +114,7 @@ def main() -> None:
                 "model": args.model,
                 "quantization": args.quantization,
                 "dtype": args.dtype,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "text": args.text.name,
                 "chunk_tokens": args.chunk_tokens,
                 "scored_tokens": len(logprobs),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ember.engine.args import KV_CACHE_DTYPE_CHOICES
 from ember.errors import EmberError
 
 
@@ -35,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", help="weights dtype, as ember serve --dtype (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output the profile measures (default: the model's, capped)")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="as ember serve --kv-cache-dtype: profile the replicas' own (default: %(default)s)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads, as ember serve --num-threads "
                         "(default: one per core); profile with the replicas' own count")  # fmt: skip
     parser.set_defaults(func=run)
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len,
         "kv_cache_memory": args.kv_cache_memory,
         "num_threads": args.num_threads,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     profile = profile_model(
         args.model, args.prompt_lengths, args.batch_sizes, args.decode_tokens, args.cost_per_replica_hour,

@@ -18,6 +18,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # none: float weights (a GGUF file's blocks dequantized at load); gguf: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/
 # Q4_K/Q5_K/Q6_K Linear weights kept in their blocks; int8: every Linear weight quantized per output channel at load.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+# auto: the model's dtype; int8: a scale per token and KV head (ember/layers/kv_cache.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TP_ALL_REDUCE_CHOICES = ("shm", "gloo")
 # A server's default step budget is smaller than the offline API's, as vLLM's defaults differ by usage
@@ -91,6 +93,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped (resources.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; default sized by the model runner
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
@@ -124,6 +127,9 @@ class EngineArgs:
         if self.tensor_parallel_all_reduce not in TP_ALL_REDUCE_CHOICES:
             raise EmberError(f"tensor_parallel_all_reduce must be one of {', '.join(TP_ALL_REDUCE_CHOICES)}, "
                              f"got {self.tensor_parallel_all_reduce!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise EmberError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise EmberError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         try:
@@ -192,6 +198,11 @@ class EngineArgs:
                            help="tokens per paged KV-cache block (default: %(default)s)")
         group.add_argument("--kv-cache-memory", type=float, default=defaults.kv_cache_memory,
                            help="KV-cache size in GiB (default: sized from max-num-seqs and max-model-len)")
+        group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
+                           help="how K and V are cached: auto = in the model's dtype; int8 = int8 values with a "
+                                "float32 scale per token and KV head (about half of bfloat16's bytes: twice the "
+                                "tokens in the same memory, and decode attention reads half as much; outputs "
+                                "may differ slightly from auto's) (default: %(default)s)")
         group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                            help="most sequences in one step's batch (default: %(default)s)")
         group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,

@@ -25,6 +25,7 @@ from ember.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ember.engine.structured_output.grammar import GrammarMatcher, allocate_bitmask, fill_bitmasks
 from ember.kernels.native import kernel_paths, load_native_kernels
 from ember.layers.attention import SequenceSpan, build_attention_metadata
+from ember.layers.kv_cache import allocate_kv_cache
 from ember.layers.linear import (
     attach_quant_gemm,
     attach_quant_gemm_beside_floats,
@@ -77,7 +78,7 @@ class ModelRunner:
                     "?" if peak is None else f"{peak / MiB:.1f}")
         self.native = load_native_kernels(
             args.kernels, self.device, self.dtype, (config.hidden_size, layout.intermediate_size), config.head_dim,
-            layout.num_heads // layout.num_kv_heads,
+            layout.num_heads // layout.num_kv_heads, args.kv_cache_dtype,
         )
         for module in self.model.modules():
             if hasattr(module, "native"):
@@ -88,14 +89,17 @@ class ModelRunner:
             pack_linear_weights(self.model)
 
         self.num_blocks = num_kv_blocks(config, self.block_size, self.dtype, self.device, args.kv_cache_memory,
-                                        args.max_num_seqs, args.max_model_len)
-        # One tensor for every layer's K and V: [layers, blocks, block_size, 2, kv_heads, head_dim]. Zeroed:
-        # padding slots are read (and masked), and a masked key must still be finite for softmax @ V. Under
-        # TP each rank holds its own KV heads' part of every block (the block count is the same on every rank).
-        self.kv_cache = torch.zeros(
-            config.num_hidden_layers, self.num_blocks, self.block_size, 2, layout.num_kv_heads,
-            config.head_dim, dtype=self.dtype, device=self.device,
-        )
+                                        args.max_num_seqs, args.max_model_len, args.kv_cache_dtype)
+        # One tensor for every layer's K and V (ember/layers/kv_cache.py). Under TP each rank holds its own KV
+        # heads' part of every block (the block count is the same on every rank).
+        self.kv_cache_dtype = "int8" if args.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+        # vLLM's cache_config_info labels (its --kv-cache-dtype "auto" reported as the dtype it stands for).
+        self.cache_config = {"block_size": str(self.block_size), "cache_dtype": self.kv_cache_dtype,
+                             "num_gpu_blocks": str(self.num_blocks),
+                             "enable_prefix_caching": str(args.enable_prefix_caching)}
+        self.kv_cache = allocate_kv_cache(config.num_hidden_layers, self.num_blocks, self.block_size,
+                                          layout.num_kv_heads, config.head_dim, self.dtype, args.kv_cache_dtype,
+                                          self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(self.device, args.seed, self.native)
         # One thread: the step's grammar masks are filled in order, overlapping the step's forward.
@@ -109,9 +113,9 @@ class ModelRunner:
             self.kernel_paths["decoder_stack"] = quantized_stack_path(
                 self.model, "off" if self.native is None else self.native.decoder_stack_name, self.dtype,
                 self.kernel_paths["decoder_stack"])
-        logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), kernels: %s",
+        logger.info("model runner%s: %s on %s (%s), %d KV blocks of %d tokens in %s (%.2f GiB), kernels: %s",
                     "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
-                    self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size,
+                    self.dtype, self.device, self.dtype_reason, self.num_blocks, self.block_size, self.kv_cache_dtype,
                     self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
                     f"native, ISA level {self.kernel_level}" if self.native else "torch")
         for part, path in self.kernel_paths.items():

@@ -36,16 +36,20 @@ def default_max_model_len(config: ModelConfig) -> int:
     return min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV-cache block: K and V of block_size tokens in every layer."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * dtype.itemsize
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV-cache block: K and V of block_size tokens in every layer, in kv_cache_dtype's format."""
+    from ember.layers.kv_cache import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
+    return config.num_hidden_layers * block_size * per_token
 
 
 def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                  kv_cache_memory: float | None, max_num_seqs: int, max_model_len: int | None) -> int:
+                  kv_cache_memory: float | None, max_num_seqs: int, max_model_len: int | None,
+                  kv_cache_dtype: str = "auto") -> int:
     """How many KV-cache blocks to allocate: kv_cache_memory GiB when given, else enough for max_num_seqs
     sequences of max_model_len (or its default), at most DEFAULT_KV_CACHE_GIB for the device."""
-    bytes_per_block = kv_block_bytes(config, block_size, dtype)
+    bytes_per_block = kv_block_bytes(config, block_size, dtype, kv_cache_dtype)
     if kv_cache_memory is not None:
         num_blocks = int(kv_cache_memory * GiB // bytes_per_block)
         if num_blocks < 1:

@@ -9,12 +9,16 @@
 #include "paged_attention.c"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_gemm.c"
-#include "paged_prefill_attention.c"
 #define STACK_GEMM amx_gemm_share
-#define STACK_PREFILL_ATTENTION paged_prefill_attention_tasks
 #else
 #include "bf16_gemm.c"
 #define STACK_GEMM bf16_gemm_share
+#endif
+// The AMX prompt-chunk attention reads bfloat16 K/V only: an int8 cache's go through the vectors' kernel.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(KV_INT8)
+#include "paged_prefill_attention.c"
+#define STACK_PREFILL_ATTENTION paged_prefill_attention_tasks
+#else
 #define STACK_PREFILL_ATTENTION paged_prefill_attention_avx512_tasks
 #endif
 

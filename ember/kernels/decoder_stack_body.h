@@ -8,7 +8,8 @@
 // barriers; they are the op-by-op path's own kernels, so results are bit-identical to it.
 //
 // The macro contract. The including file defines, before including this header:
-//   STACK_T     the element type of activations, norms, biases and the KV cache (uint16_t for bfloat16, float).
+//   STACK_T     the element type of activations, norms, biases and the KV cache (uint16_t for bfloat16, float;
+//               the cache's is int8 in builds with KV_INT8).
 //   STACK_NAME  the exported function's name.
 // and the in-region kernels: each is called by every thread of the already-open parallel region and shares its
 // work among them (an orphaned `omp for`, or a split by omp_get_thread_num()); none opens a region of its own.
@@ -34,6 +35,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv_cache.h"
+
 // One layer's tensors, as the caller lays them out: nine pointers (int64 each on the Python side). The four
 // projections' weights are whatever STACK_GEMM takes.
 typedef struct {
@@ -44,7 +47,7 @@ typedef struct {
     const STACK_T *o_bias;
     const STACK_T *post_norm;
     const void *gate_up, *down;
-    STACK_T *kv_cache;  // [blocks, block_size, 2, kv_heads, HEAD_DIM]
+    KV_ELEMENT(STACK_T) *kv_cache;  // [blocks, block_size, 2, kv_heads, HEAD_DIM] (int8 builds: kv_cache.h)
 } layer_tensors;
 
 // residual: [rows, hidden] the token embeddings in, the last layer's residual stream out; out: [rows, hidden]

@@ -7,7 +7,7 @@
 #include "quant_panel_gemm.c"
 #include "fused_ops.c"
 #include "paged_attention.c"
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(KV_INT8)  // AMX's reads bfloat16 K/V only
 #include "paged_prefill_attention.c"
 #define STACK_PREFILL_ATTENTION paged_prefill_attention_tasks
 #else

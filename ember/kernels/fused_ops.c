@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "bf16_simd.h"
+#include "kv_cache.h"
 
 // Split rows across threads only when there is enough work to pay for waking them.
 #define PARALLEL_MIN_ELEMENTS 32768
@@ -71,9 +72,9 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t 
 
 // Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, each product and
 // the sum rounded, as apply_rotary) and writes the row's k and v into its KV-cache slot
-// ([slot, 2 (K, V), num_kv_heads, head_dim]).
+// ([slot, 2 (K, V), num_kv_heads, head_dim]; quantized in int8 builds: kv_cache.h).
 static void rotary_and_cache_rows(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed,
-                                  const int64_t *slots, uint16_t *cache, int64_t rows, int num_heads,
+                                  const int64_t *slots, KV_ELEMENT(uint16_t) *cache, int64_t rows, int num_heads,
                                   int num_kv_heads, int head_dim) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
@@ -92,15 +93,21 @@ static void rotary_and_cache_rows(uint16_t *qkv, const uint16_t *cos, const uint
             }
             for (int i = 0; i < head_dim; i += 16) store_bf16(h + i, rotated[i / 16]);
         }
+        const uint16_t *k = x + (int64_t)num_heads * head_dim;  // k then v: one contiguous run in qkv
+#ifdef KV_INT8
+        float kv[2 * kv_width];
+        for (int64_t i = 0; i < 2 * kv_width; i += 16) _mm512_storeu_ps(kv + i, load_bf16(k + i));
+        kv_int8_store(kv, cache + slots[row] * kv_int8_row_bytes(num_kv_heads, head_dim), num_kv_heads, head_dim);
+#else
         uint16_t *slot = cache + slots[row] * 2 * kv_width;
-        const uint16_t *k = x + (int64_t)num_heads * head_dim;
-        for (int64_t i = 0; i < 2 * kv_width; i += 16)  // k then v: one contiguous run in qkv and in the slot
+        for (int64_t i = 0; i < 2 * kv_width; i += 16)  // and in the slot
             _mm256_storeu_si256((__m256i *)(slot + i), _mm256_loadu_si256((const __m256i *)(k + i)));
+#endif
     }
 }
 
 void rotary_and_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin_signed, const int64_t *slots,
-                      uint16_t *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                      KV_ELEMENT(uint16_t) *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
                       int num_threads) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)

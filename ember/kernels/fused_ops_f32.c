@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "f32_simd.h"
+#include "kv_cache.h"
 
 // Split rows across threads only when there is enough work to pay for waking them.
 #define PARALLEL_MIN_ELEMENTS 32768
@@ -62,11 +63,12 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t wi
 }
 
 // Rotates the q and k heads of each qkv row in place (x * cos + roll(x, half) * sin_signed, as apply_rotary)
-// and writes the row's k and v into its KV-cache slot ([slot, 2 (K, V), num_kv_heads, head_dim]).
+// and writes the row's k and v into its KV-cache slot ([slot, 2 (K, V), num_kv_heads, head_dim]; quantized in
+// int8 builds: kv_cache.h).
 static void rotary_and_cache_f32_rows(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                                      float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim) {
+                                      KV_ELEMENT(float) *cache, int64_t rows, int num_heads, int num_kv_heads,
+                                      int head_dim) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
-    const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
     const int half = head_dim / 2;
 #pragma omp for
     for (int64_t row = 0; row < rows; row++) {
@@ -81,12 +83,18 @@ static void rotary_and_cache_f32_rows(float *qkv, const float *cos, const float 
             memcpy(h, rotated, sizeof(float) * head_dim);
         }
         // k then v: one contiguous run in qkv and in the slot.
+#ifdef KV_INT8
+        kv_int8_store(x + (int64_t)num_heads * head_dim,
+                      cache + slots[row] * kv_int8_row_bytes(num_kv_heads, head_dim), num_kv_heads, head_dim);
+#else
+        const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
         memcpy(cache + slots[row] * 2 * kv_width, x + (int64_t)num_heads * head_dim, sizeof(float) * 2 * kv_width);
+#endif
     }
 }
 
 void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                          float *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                          KV_ELEMENT(float) *cache, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
                           int num_threads) {
     const int64_t row_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)

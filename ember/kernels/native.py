@@ -13,6 +13,8 @@ called on torch tensors.
   (decoder_stack_quant_f32.c in float32: decode-sized steps).
 - paged_attention_f32.c, fused_ops_f32.c, f32_gemm.c, decoder_stack_f32.c: decode and prompt-chunk attention,
   the fused ops, the GEMM and the decoder stack for float32, on AVX-512 or AVX2 + FMA vectors (f32_simd.h).
+- With an int8 KV cache (kv_cache.h), the attention kernels, the cache writes and the stacks are built with
+  KV_INT8: they read and write its rows (prompt chunks on the vectors' kernel, also where AMX runs the GEMM).
 
 Layers take a NativeKernels through their `native` attribute (set by the model runner) and keep their
 PyTorch path for every other device and dtype."""
@@ -74,14 +76,17 @@ class NativeKernels:
     GEMM the decoder stack."""
 
     def __init__(self, head_dim: int, queries_per_kv: int, level: str, dtype: torch.dtype = torch.bfloat16,
-                 gemm: str = "auto") -> None:
-        self.level, self.dtype = level, dtype
+                 gemm: str = "auto", kv_cache_dtype: str = "auto") -> None:
+        self.level, self.dtype, self.queries_per_kv = level, dtype, queries_per_kv
         self.vector_isa = "avx512" if level_at_least(level, "avx512") else "avx2"
-        shape = self._shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv))
+        # The cache's element type (kv_cache.h): the model's dtype, or int8 where the kernels are built for it.
+        self.kv_cache_element = torch.int8 if kv_cache_dtype == "int8" else dtype
+        kv_format = (("KV_INT8", 1),) if kv_cache_dtype == "int8" else ()
+        shape = self._shape = (("HEAD_DIM", head_dim), ("QUERIES_PER_KV", queries_per_kv), *kv_format)
         float32 = dtype == torch.float32
         suffix = "_f32" if float32 else ""
         attention = load_kernel("paged_attention_f32.c" if float32 else "paged_attention.c", shape, level)
-        fused = load_kernel(f"fused_ops{suffix}.c", (), level)
+        fused = load_kernel(f"fused_ops{suffix}.c", kv_format, level)
         self._decode = bind(attention, f"paged_decode_attention{suffix}", _pointer, _int64, _pointer, _pointer,
                             _int64, _pointer, _pointer, _int, _int, _int, _float, _int)
         self._add_rms_norm = bind(fused, f"add_rms_norm{suffix}", _pointer, _pointer, _pointer, _pointer, _int64,
@@ -119,8 +124,9 @@ class NativeKernels:
                 self.gemm_name, self.gemm_max_rows = name, max_rows
                 self._gemm = bind(library, source[:-2], *_GEMM_ARGTYPES)
                 break
-        # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state).
-        if self.gemm_name == "amx":
+        # Prompt chunks' attention on AMX tiles, where the AMX GEMM runs (it obtained the AMX state) and the K/V
+        # are bfloat16.
+        if self.gemm_name == "amx" and self.kv_cache_element == torch.bfloat16:
             prefill = load_kernel("paged_prefill_attention.c", shape, level)
             if prefill.paged_prefill_attention_supported():
                 self.prefill_isa = "amx"
@@ -155,14 +161,15 @@ class NativeKernels:
         scale: float,
     ) -> torch.Tensor:
         """q [B, heads, D] (any row stride; heads and D contiguous), kv_cache one layer's
-        [blocks, block_size, 2, kv_heads, D], block_tables [B, max_blocks] int64, context_lens [B] int64
-        (keys per sequence, this step's included) -> [B, heads * D]."""
+        ([blocks, block_size, ...]: ember/layers/kv_cache.py), block_tables [B, max_blocks] int64, context_lens
+        [B] int64 (keys per sequence, this step's included) -> [B, heads * D]."""
         num_seqs, num_heads, head_dim = q.shape
-        _check(q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous(), "decode attention")
+        self._check_cache(kv_cache)
+        _check(q.stride(2) == 1 and q.stride(1) == head_dim, "decode attention")
         out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype, device=q.device)
         self._decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
-                     block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), num_seqs, kv_cache.shape[3],
-                     kv_cache.shape[1], scale, torch.get_num_threads())
+                     block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), num_seqs,
+                     num_heads // self.queries_per_kv, kv_cache.shape[1], scale, torch.get_num_threads())
         return out
 
     def paged_prefill_attention(
@@ -176,16 +183,24 @@ class NativeKernels:
     ) -> torch.Tensor:
         """Causal attention of prompt chunks: q [T, heads, D] (any row stride), sequence i's queries being
         rows [query_starts[i], query_starts[i + 1]) (int64 [B + 1], starting at 0),
-        its last new tokens, already in kv_cache (one layer's [blocks, block_size, 2, kv_heads, D]);
+        its last new tokens, already in kv_cache (one layer's [blocks, block_size, ...]);
         block_tables [B, max_blocks] and context_lens [B] (keys per sequence, new ones included), int64
         -> [T, heads * D]."""
         num_tokens, num_heads, head_dim = q.shape
-        _check(q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous(), "prefill attention")
+        self._check_cache(kv_cache)
+        _check(q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention")
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         self._prefill(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
                       block_tables.shape[1], query_starts.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-                      context_lens.shape[0], kv_cache.shape[3], kv_cache.shape[1], scale, torch.get_num_threads())
+                      context_lens.shape[0], num_heads // self.queries_per_kv, kv_cache.shape[1], scale,
+                      torch.get_num_threads())
         return out
+
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
+        # A cache of another element type than the kernels were built for would be read as garbage.
+        if kv_cache.dtype != self.kv_cache_element:
+            raise ValueError(f"native kernels built for a {self.kv_cache_element} KV cache got {kv_cache.dtype}")
+        _check(kv_cache.is_contiguous(), "attention")
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -245,11 +260,13 @@ class NativeKernels:
         num_heads: int,
     ) -> None:
         """Rotate qkv's q and k heads in place (qkv [T, (heads + 2 kv_heads) * D]; cos/sin [T, D] rows) and
-        write each row's k and v into its slot of one layer's cache [blocks, block_size, 2, kv_heads, D]."""
-        _check(qkv.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
-               and kv_cache.is_contiguous(), "rotary_and_cache")
+        write each row's k and v into its slot of one layer's cache (ember/layers/kv_cache.py)."""
+        self._check_cache(kv_cache)
+        _check(qkv.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous(), "rotary_and_cache")
+        head_dim = cos.shape[-1]
+        num_kv_heads = (qkv.shape[1] // head_dim - num_heads) // 2
         self._rotary_and_cache(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(),
-                               kv_cache.data_ptr(), qkv.shape[0], num_heads, kv_cache.shape[3], kv_cache.shape[4],
+                               kv_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim,
                                torch.get_num_threads())
 
 
@@ -388,10 +405,11 @@ def load_native_kernels(
     widths: tuple[int, ...],
     head_dim: int,
     queries_per_kv: int,
+    kv_cache_dtype: str = "auto",
 ) -> NativeKernels | None:
     """The kernels for `setting` "native" or an ISA level (an error if they cannot run here) or "auto" (None,
     logged, if they cannot); None for "torch". `widths`: the hidden and intermediate sizes the fused ops will
-    see."""
+    see; `kv_cache_dtype`: the KV cache's (ember/layers/kv_cache.py)."""
     if setting == "torch":
         return None
     try:
@@ -401,7 +419,7 @@ def load_native_kernels(
     reason = _unsupported_reason(device, dtype, widths, head_dim, level)
     if reason is None:
         try:
-            return NativeKernels(head_dim, queries_per_kv, level, dtype)
+            return NativeKernels(head_dim, queries_per_kv, level, dtype, kv_cache_dtype=kv_cache_dtype)
         except KernelBuildError as exc:
             reason = str(exc)
     if setting != "auto":

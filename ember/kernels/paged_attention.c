@@ -14,6 +14,9 @@
 // 2 (K, V), num_kv_heads, HEAD_DIM]), so the reads are sequential within a block. Per tile: scores of every
 // query head (fp32), an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators;
 // P stays float32. The gather + padded SDPA this replaces copies every key twice before reading it.
+//
+// Built with -DKV_INT8, the same kernels read an int8 cache (kv_cache.h): K and V widened to float32 in order,
+// the scores FMAs of them, each key's scale applied to its score and each value's to its softmax weight.
 #include <math.h>
 #include <omp.h>
 
@@ -48,6 +51,18 @@ static inline __mmask16 tile_mask(int64_t valid) {
     return valid >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
 }
 
+#ifdef KV_INT8
+// An int8 cache row of HEAD_DIM values as float32 vectors, in order (the int8 kernels keep their query and output
+// accumulators in order too); its scale multiplies the scores and the softmax weights instead.
+static inline void load_int8(const int8_t *p, __m512 *parts) {
+    for (int c = 0; c < CHUNKS; c++)
+        parts[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + c * 16))));
+}
+#define TOKEN_STRIDE(num_kv_heads) kv_int8_row_bytes(num_kv_heads, HEAD_DIM)
+#else
+#define TOKEN_STRIDE(num_kv_heads) (2 * (int64_t)(num_kv_heads) * HEAD_DIM)
+#endif
+
 // A row of HEAD_DIM bfloat16 values as float32 vectors without a widening shuffle: per 32 values (one 64-byte
 // load), its even-indexed values (shifted into the high halves) and its odd-indexed ones (masked). The vectors
 // hold the row in the order [evens 0..31, odds 0..31, evens 32..63, ...]; the kernel keeps its query and
@@ -71,12 +86,13 @@ static inline void load_bf16_split(const uint16_t *p, __m512 *parts) {
 // P stays float32: the V rows are split as above and accumulated by FMAs in the split order. Each row's
 // arithmetic is the same, in the same order, whatever `rows` is. Inlined per row count (a constant).
 static inline __attribute__((always_inline)) void attend_rows(
-    const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, const uint16_t *cache,
+    const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, const cache_element *cache,
     const int64_t *table, int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
     float scale, const int rows) {
-    const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM;
+    const int64_t token_stride = TOKEN_STRIDE(num_kv_heads);
     const int num_queries = num_heads * QUERIES_PER_KV;
-    // Per row and query head: fp32 output accumulator (split order), running max and softmax sum.
+    // Per row and query head: fp32 output accumulator (split order; in order for an int8 cache), running max and
+    // softmax sum.
     float acc[rows * num_queries * HEAD_DIM] __attribute__((aligned(64)));
     float running_max[rows * num_queries], running_sum[rows * num_queries];
     for (int h = 0; h < rows * num_queries; h++) {
@@ -91,19 +107,31 @@ static inline __attribute__((always_inline)) void attend_rows(
         const int64_t valid = last_keys - start < TILE ? last_keys - start : TILE;
         int64_t row_valid[rows];  // keys of this tile row r attends (none: <= 0)
         for (int r = 0; r < rows; r++) row_valid[r] = keys + r - start < TILE ? keys + r - start : TILE;
-        const uint16_t *cache_row[TILE];
+        const cache_element *cache_row[TILE];
         cache_rows(cache, table, block_size, token_stride, start, valid, cache_row);
         // The next tile's rows are scattered over blocks: the loop below requests them into L2 while it
         // computes this tile, one row's K and V of the head at hand per key. Spread like this, the
         // requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until
         // the line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads.
         const int64_t next_valid = last_keys - start - AHEAD < TILE ? last_keys - start - AHEAD : TILE;
-        const uint16_t *next[TILE];
+        const cache_element *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
         for (int kv = 0; kv < num_heads; kv++) {
             const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;
             const int64_t value_offset = (int64_t)(num_kv_heads + first_head + kv) * HEAD_DIM;
-#ifdef __AVX512BF16__
+#ifdef KV_INT8
+            float key_scales[TILE] __attribute__((aligned(64))), value_scales[TILE] __attribute__((aligned(64)));
+            for (int i = 0; i < TILE; i++) {
+                const float *scales = kv_int8_scales(cache_row[i < valid ? i : 0], num_kv_heads, HEAD_DIM);
+                key_scales[i] = i < valid ? scales[first_head + kv] : 0.0f;
+                value_scales[i] = i < valid ? scales[num_kv_heads + first_head + kv] : 0.0f;
+            }
+            __m512 qv[rows][QUERIES_PER_KV][CHUNKS];
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < QUERIES_PER_KV; g++)
+                    for (int c = 0; c < CHUNKS; c++)
+                        qv[r][g][c] = load_bf16(q + r * q_stride + (kv * QUERIES_PER_KV + g) * HEAD_DIM + c * 16);
+#elif defined(__AVX512BF16__)
             __m512bh qv[rows][QUERIES_PER_KV][HEAD_DIM / 32];
             for (int r = 0; r < rows; r++)
                 for (int g = 0; g < QUERIES_PER_KV; g++)
@@ -123,12 +151,19 @@ static inline __attribute__((always_inline)) void attend_rows(
                         for (int g = 0; g < QUERIES_PER_KV; g++) dots[r][g][i] = _mm512_setzero_ps();
                     continue;
                 }
-                if (i < next_valid)
-                    for (int c = 0; c < HEAD_DIM * 2; c += 64) {
+                if (i < next_valid) {
+                    for (int c = 0; c < HEAD_DIM * (int)sizeof(cache_element); c += 64) {
                         _mm_prefetch((const char *)(next[i] + key_offset) + c, _MM_HINT_T1);
                         _mm_prefetch((const char *)(next[i] + value_offset) + c, _MM_HINT_T1);
                     }
-#ifdef __AVX512BF16__
+#ifdef KV_INT8
+                    _mm_prefetch((const char *)kv_int8_scales(next[i], num_kv_heads, HEAD_DIM), _MM_HINT_T1);
+#endif
+                }
+#ifdef KV_INT8
+                __m512 k[CHUNKS];
+                load_int8(cache_row[i] + key_offset, k);
+#elif defined(__AVX512BF16__)
                 __m512bh k[HEAD_DIM / 32];
                 for (int c = 0; c < HEAD_DIM / 32; c++)
                     k[c] = (__m512bh)_mm512_loadu_si512(cache_row[i] + key_offset + c * 32);
@@ -142,7 +177,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                             dots[r][g][i] = _mm512_setzero_ps();
                             continue;
                         }
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && !defined(KV_INT8)
                         __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][g][0], k[0]);
                         for (int c = 1; c < HEAD_DIM / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[r][g][c], k[c]);
 #else
@@ -161,13 +196,20 @@ static inline __attribute__((always_inline)) void attend_rows(
                 __m512 group_out[QUERIES_PER_KV][CHUNKS];
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
                     const int h = r * num_queries + kv * QUERIES_PER_KV + g;
-                    const __m512 scores = _mm512_mul_ps(sum_lanes16(dots[r][g]), scale_vector);
+                    __m512 scores = _mm512_mul_ps(sum_lanes16(dots[r][g]), scale_vector);
+#ifdef KV_INT8
+                    scores = _mm512_mul_ps(scores, _mm512_load_ps(key_scales));
+#endif
                     const float tile_max = _mm512_mask_reduce_max_ps(mask, scores);
                     const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
                     const float correction = expf(running_max[h] - new_max);
                     const __m512 p =
                         _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+#ifdef KV_INT8
+                    _mm512_store_ps(probs[g], _mm512_mul_ps(p, _mm512_load_ps(value_scales)));
+#else
                     _mm512_store_ps(probs[g], p);
+#endif
                     running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
                     running_max[h] = new_max;
                     for (int c = 0; c < CHUNKS; c++)
@@ -176,7 +218,11 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
                 for (int i = 0; i < row_valid[r]; i++) {
                     __m512 v[CHUNKS];
+#ifdef KV_INT8
+                    load_int8(cache_row[i] + value_offset, v);
+#else
                     load_bf16_split(cache_row[i] + value_offset, v);
+#endif
                     for (int g = 0; g < QUERIES_PER_KV; g++) {
                         const __m512 p = _mm512_set1_ps(probs[g][i]);
                         for (int c = 0; c < CHUNKS; c++)
@@ -194,6 +240,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int h = 0; h < num_queries; h++) {
             const float *head_acc = acc + (r * num_queries + h) * HEAD_DIM;
             const __m512 inverse_sum = _mm512_set1_ps(1.0f / running_sum[r * num_queries + h]);
+#ifdef KV_INT8
+            for (int c = 0; c < CHUNKS; c++)
+                store_bf16(out + r * out_stride + h * HEAD_DIM + c * 16,
+                           round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + c * 16), inverse_sum)));
+#else
             for (int c = 0; c < HEAD_DIM / 32; c++) {
                 const __m512i even = _mm512_castps_si512(
                     round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + 2 * c * 16), inverse_sum)));
@@ -202,11 +253,12 @@ static inline __attribute__((always_inline)) void attend_rows(
                 _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32,
                                     _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
             }
+#endif
         }
 }
 
 // One query token: decode's call, and a prompt row's when a task is one (row, KV head).
-static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache, const int64_t *table,
+static void attend_heads(const uint16_t *q, uint16_t *out, const cache_element *cache, const int64_t *table,
                          int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
                          float scale) {
     attend_rows(q, 0, out, 0, cache, table, block_size, num_kv_heads, first_head, num_heads, keys, scale, 1);
@@ -216,7 +268,7 @@ static void attend_heads(const uint16_t *q, uint16_t *out, const uint16_t *cache
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] (keys each query attends, its own included);
 // out: [num_seqs, num_kv_heads * QUERIES_PER_KV * HEAD_DIM], contiguous. Shares the tasks among the threads
 // of the enclosing parallel region (decoder_stack.c calls it inside its own); paged_decode_attention opens one.
-static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride, const cache_element *cache,
                                          const int64_t *block_tables, int64_t max_blocks,
                                          const int64_t *context_lens, uint16_t *out, int num_seqs,
                                          int num_kv_heads, int block_size, float scale) {
@@ -232,7 +284,7 @@ static void paged_decode_attention_tasks(const uint16_t *q, int64_t q_row_stride
     }
 }
 
-void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const cache_element *cache,
                             const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                             uint16_t *out, int num_seqs, int num_kv_heads, int block_size, float scale,
                             int num_threads) {
@@ -250,7 +302,7 @@ void paged_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint1
 // `omp for` without its barrier: callers inside a region add one).
 #define ROW_GROUP 4
 
-static void paged_prefill_attention_avx512_tasks(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+static void paged_prefill_attention_avx512_tasks(const uint16_t *q, int64_t q_row_stride, const cache_element *cache,
                                                  const int64_t *block_tables, int64_t max_blocks,
                                                  const int64_t *query_starts, const int64_t *context_lens,
                                                  uint16_t *out, int num_seqs, int num_kv_heads, int block_size,
@@ -299,7 +351,7 @@ static void paged_prefill_attention_avx512_tasks(const uint16_t *q, int64_t q_ro
     }
 }
 
-void paged_prefill_attention_avx512(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+void paged_prefill_attention_avx512(const uint16_t *q, int64_t q_row_stride, const cache_element *cache,
                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *query_starts,
                                     const int64_t *context_lens, uint16_t *out, int num_seqs, int num_kv_heads,
                                     int block_size, float scale, int num_threads) {

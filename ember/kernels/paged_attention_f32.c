@@ -7,11 +7,32 @@
 // time, with an online softmax (flash-decoding; the tile's exponentials by f32_simd.h's vexp, as
 // the bfloat16 kernel's, not a libm call per key), then the tile's V rows into float32 accumulators.
 // A prompt chunk's query at position p attends keys [0, p] (causal); a decode query all of its sequence's.
+//
+// Built with -DKV_INT8, the same kernels read an int8 cache (kv_cache.h): K and V rows widened to float32 as
+// they are loaded, each key's scale applied to its score and each value's to its softmax weight.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
 #include "f32_simd.h"
+#include "kv_cache.h"
+
+typedef KV_ELEMENT(float) cache_element;
+
+#ifdef KV_INT8
+#define TOKEN_STRIDE(num_kv_heads) kv_int8_row_bytes(num_kv_heads, HEAD_DIM)
+// LANES int8 values of a cache row as float32.
+static inline vfloat load_cached(const int8_t *p) {
+#ifdef __AVX512F__
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+#else
+#define TOKEN_STRIDE(num_kv_heads) (2 * (int64_t)(num_kv_heads) * HEAD_DIM)
+static inline vfloat load_cached(const float *p) { return vload(p); }
+#endif
 
 #define CHUNKS (HEAD_DIM / LANES)
 #define TILE 16
@@ -42,21 +63,28 @@ static void head_start(head_state *h, const float *q, float scale) {
 }
 
 // One tile of keys for one KV head: rows[i] is key i's row of the cache, `valid` of them real (the rest repeat
-// the last), its K at key_offset and V at value_offset floats. Each query head scores the tile's keys KEYS at a
+// the last), its K at key_offset and V at value_offset elements; an int8 cache's scales of this head's keys and
+// values are key_scales and value_scales (NULL otherwise). Each query head scores the tile's keys KEYS at a
 // time (independent chains, one reduction); the V sums go through the tile V_CHUNKS chunks of HEAD_DIM at a
 // time, so that neither loop holds more vectors than there are registers.
-static void head_tile(head_state *h, const float *const rows[TILE], int valid, int64_t key_offset,
-                      int64_t value_offset) {
+static void head_tile(head_state *h, const cache_element *const rows[TILE], int valid, int64_t key_offset,
+                      int64_t value_offset, const float *key_scales, const float *value_scales) {
     float scores[QUERIES_PER_KV][TILE], correction[QUERIES_PER_KV];
     for (int g = 0; g < QUERIES_PER_KV; g++)
         for (int i0 = 0; i0 < valid; i0 += KEYS) {
             vfloat dot[KEYS];
-            for (int j = 0; j < KEYS; j++) dot[j] = vmul(h->query[g][0], vload(rows[i0 + j] + key_offset));
+            for (int j = 0; j < KEYS; j++) dot[j] = vmul(h->query[g][0], load_cached(rows[i0 + j] + key_offset));
             for (int c = 1; c < CHUNKS; c++)
                 for (int j = 0; j < KEYS; j++)
-                    dot[j] = vfmadd(h->query[g][c], vload(rows[i0 + j] + key_offset + c * LANES), dot[j]);
+                    dot[j] = vfmadd(h->query[g][c], load_cached(rows[i0 + j] + key_offset + c * LANES), dot[j]);
             vsum8(dot, scores[g] + i0);
         }
+#ifdef KV_INT8
+    for (int g = 0; g < QUERIES_PER_KV; g++)
+        for (int i = 0; i < valid; i++) scores[g][i] *= key_scales[i];
+#else
+    (void)key_scales;
+#endif
     for (int g = 0; g < QUERIES_PER_KV; g++) {
         float new_max = h->running_max[g];
         for (int i = 0; i < valid; i++) new_max = scores[g][i] > new_max ? scores[g][i] : new_max;
@@ -68,14 +96,23 @@ static void head_tile(head_state *h, const float *const rows[TILE], int valid, i
         for (int i = 0; i < valid; i++) h->running_sum[g] += scores[g][i];
         h->running_max[g] = new_max;
     }
+    // The softmax weights of the V rows: an int8 cache's carry each value's scale.
+#ifdef KV_INT8
+    float weights[QUERIES_PER_KV][TILE];
+    for (int g = 0; g < QUERIES_PER_KV; g++)
+        for (int i = 0; i < valid; i++) weights[g][i] = scores[g][i] * value_scales[i];
+#else
+    (void)value_scales;
+    float (*weights)[TILE] = scores;
+#endif
     for (int c0 = 0; c0 < CHUNKS; c0 += V_CHUNKS) {
         vfloat sums[QUERIES_PER_KV][V_CHUNKS];
         for (int g = 0; g < QUERIES_PER_KV; g++)
             for (int c = 0; c < V_CHUNKS; c++) sums[g][c] = vmul(h->acc[g][c0 + c], vset1(correction[g]));
         for (int i = 0; i < valid; i++)
             for (int c = 0; c < V_CHUNKS; c++) {
-                const vfloat v = vload(rows[i] + value_offset + (c0 + c) * LANES);
-                for (int g = 0; g < QUERIES_PER_KV; g++) sums[g][c] = vfmadd(vset1(scores[g][i]), v, sums[g][c]);
+                const vfloat v = load_cached(rows[i] + value_offset + (c0 + c) * LANES);
+                for (int g = 0; g < QUERIES_PER_KV; g++) sums[g][c] = vfmadd(vset1(weights[g][i]), v, sums[g][c]);
             }
         for (int g = 0; g < QUERIES_PER_KV; g++)
             for (int c = 0; c < V_CHUNKS; c++) h->acc[g][c0 + c] = sums[g][c];
@@ -85,23 +122,32 @@ static void head_tile(head_state *h, const float *const rows[TILE], int valid, i
 // out[head][QUERIES_PER_KV][HEAD_DIM] = softmax(q k^T * scale) v over the first `keys` keys of one sequence, for
 // its KV heads [first_head, first_head + heads) (heads <= MAX_TASK_HEADS); q and out: those heads' query rows,
 // contiguous. The heads go through each tile together, so that the cache's rows are read whole, in order.
-static void attend_heads(const float *q, float *out, const float *cache, const int64_t *table, int block_size,
-                         int num_kv_heads, int first_head, int heads, int64_t keys, float scale) {
-    const int64_t token_stride = 2 * (int64_t)num_kv_heads * HEAD_DIM, group_width = QUERIES_PER_KV * HEAD_DIM;
+static void attend_heads(const float *q, float *out, const cache_element *cache, const int64_t *table,
+                         int block_size, int num_kv_heads, int first_head, int heads, int64_t keys, float scale) {
+    const int64_t token_stride = TOKEN_STRIDE(num_kv_heads), group_width = QUERIES_PER_KV * HEAD_DIM;
     head_state state[MAX_TASK_HEADS];
     for (int h = 0; h < heads; h++) head_start(&state[h], q + h * group_width, scale);
     for (int64_t start = 0; start < keys; start += TILE) {
         const int valid = keys - start < TILE ? (int)(keys - start) : TILE;
         // A short tile's rows past `valid` repeat its last key, so that whole groups of KEYS are scored; their
         // scores are dropped.
-        const float *rows[TILE];
+        const cache_element *rows[TILE];
         for (int i = 0; i < TILE; i++) {
             const int64_t position = start + (i < valid ? i : valid - 1);
             rows[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
         }
         for (int h = 0; h < heads; h++) {
             const int kv_head = first_head + h;
-            head_tile(&state[h], rows, valid, (int64_t)kv_head * HEAD_DIM, (int64_t)(num_kv_heads + kv_head) * HEAD_DIM);
+            float key_scales[TILE], value_scales[TILE];
+#ifdef KV_INT8
+            for (int i = 0; i < valid; i++) {
+                const float *scales = kv_int8_scales(rows[i], num_kv_heads, HEAD_DIM);
+                key_scales[i] = scales[kv_head];
+                value_scales[i] = scales[num_kv_heads + kv_head];
+            }
+#endif
+            head_tile(&state[h], rows, valid, (int64_t)kv_head * HEAD_DIM, (int64_t)(num_kv_heads + kv_head) * HEAD_DIM,
+                      key_scales, value_scales);
         }
     }
     for (int h = 0; h < heads; h++)
@@ -122,7 +168,7 @@ static int task_heads(int64_t rows, int num_kv_heads) {
 // [num_seqs] (keys each query attends, its own included) -> out [num_seqs, heads * HEAD_DIM]. Shares the tasks
 // among the threads of the enclosing parallel region (an orphaned `omp for`, ending with its barrier;
 // decoder_stack_f32.c calls it inside its own); paged_decode_attention_f32 opens one.
-static void paged_decode_attention_f32_tasks(const float *q, int64_t q_row_stride, const float *cache,
+static void paged_decode_attention_f32_tasks(const float *q, int64_t q_row_stride, const cache_element *cache,
                                              const int64_t *block_tables, int64_t max_blocks,
                                              const int64_t *context_lens, float *out, int num_seqs,
                                              int num_kv_heads, int block_size, float scale) {
@@ -139,7 +185,7 @@ static void paged_decode_attention_f32_tasks(const float *q, int64_t q_row_strid
     }
 }
 
-void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const cache_element *cache,
                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                                 float *out, int num_seqs, int num_kv_heads, int block_size, float scale,
                                 int num_threads) {
@@ -152,7 +198,7 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
 // its last new tokens, already in the cache; context_lens[s] counts its keys, new ones included
 // -> out [T, heads * HEAD_DIM]. Shares the tasks among the threads of the enclosing parallel region (an orphaned
 // `omp for` without its barrier: callers inside a region add one).
-static void paged_prefill_attention_f32_tasks(const float *q, int64_t q_row_stride, const float *cache,
+static void paged_prefill_attention_f32_tasks(const float *q, int64_t q_row_stride, const cache_element *cache,
                                               const int64_t *block_tables, int64_t max_blocks,
                                               const int64_t *query_starts, const int64_t *context_lens, float *out,
                                               int num_seqs, int num_kv_heads, int block_size, float scale) {
@@ -172,7 +218,7 @@ static void paged_prefill_attention_f32_tasks(const float *q, int64_t q_row_stri
     }
 }
 
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *cache,
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const cache_element *cache,
                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *query_starts,
                                  const int64_t *context_lens, float *out, int num_seqs, int num_kv_heads,
                                  int block_size, float scale, int num_threads) {

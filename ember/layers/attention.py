@@ -1,7 +1,8 @@
 """Paged attention over a block-structured KV cache, with per-step metadata shared by every layer.
 
-Layout of one layer's cache: [num_blocks, block_size, 2 (K, V), num_kv_heads, head_dim]. A token at
-position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+Layout of one layer's cache: [num_blocks, block_size, 2 (K, V), num_kv_heads, head_dim], or its int8 form
+(ember/layers/kv_cache.py). A token at position p of a sequence lives in slot
+block_table[p // block_size] * block_size + p % block_size.
 
 Each step's sequences are split into groups (single-token decodes, then multi-token prefill chunks). A group
 runs as ONE scaled_dot_product_attention call: its sequences' K/V are gathered block-wise into a padded batch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels.native import NativeKernels
+from ember.layers.kv_cache import gather_blocks, write_kv
 
 # Padded K/V slots one group gathers. Bounded so the gathered batch stays in cache for SDPA and never needs
 # fresh (page-faulting) memory: one big gather of many sequences costs more per slot (docs/benchmarks.md).
@@ -221,9 +223,7 @@ class PagedAttention(nn.Module):
         Writes this step's K/V into their slots first (unless the caller did: `kv_written`), so every query
         also sees its own chunk's keys."""
         if not kv_written:
-            kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
-                0, meta.slot_mapping, torch.stack((k, v), dim=1)
-            )
+            write_kv(kv_cache, meta.slot_mapping, k, v)
         outputs = [self._attend_group(q, kv_cache, group, meta.native) for group in meta.groups]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -247,8 +247,8 @@ class PagedAttention(nn.Module):
             q = q[group.token_start : group.token_end]
         else:
             q = q.index_select(0, group.query_index)
-        kv = kv_cache.index_select(0, group.block_ids).view(num_seqs, -1, 2, kv_heads, head_dim)
-        kv = kv[:, : group.kv_len]
+        kv = gather_blocks(kv_cache, group.block_ids, kv_heads, head_dim, q.dtype)
+        kv = kv.view(num_seqs, -1, 2, kv_heads, head_dim)[:, : group.kv_len]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         if query_len == 1:
             # Decode: the query heads sharing a KV head become that head's query rows (the mask broadcasts).

@@ -42,12 +42,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app. Starting it (lifespan) starts the engine thread; stopping it stops the engine."""
     lifecycle = Lifecycle(settings.drain_timeout)
     runner = engine.runner
-    metrics = ServerMetrics(settings.served_model_names[0], engine.stats, runner.kernel_paths)
+    metrics = ServerMetrics(settings.served_model_names[0], engine.stats, runner.kernel_paths,
+                            runner.cache_config)
     ember_info = EmberModelInfo(
         dtype=str(runner.dtype).removeprefix("torch."),
         dtype_reason=runner.dtype_reason,
         kernel_level=runner.kernel_level,
         kernels=runner.kernel_paths,
+        kv_cache_dtype=runner.kv_cache_dtype,
     )
     admission = AdmissionController(
         settings.max_queued_requests, settings.max_queued_tokens, settings.retry_after_s

@@ -108,10 +108,12 @@ prometheus_client.disable_created_metrics()  # as vLLM: `_created` series only a
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], Any], kernel_paths: Mapping[str, str]) -> None:
+    def __init__(self, model_name: str, engine_stats: Callable[[], Any], kernel_paths: Mapping[str, str],
+                 cache_config: Mapping[str, str] | None = None) -> None:
         self.model_name = model_name
         self._engine_stats = engine_stats
         self._kernel_paths = dict(kernel_paths)
+        self._cache_config = dict(cache_config or {})
         self._families = CollectorRegistry(auto_describe=False)  # the `ember:` originals
         labels = ["model_name"]
 
@@ -271,6 +273,12 @@ class ServerMetrics:
         for part, path in self._kernel_paths.items():
             paths.add_metric([self.model_name, part, path], 1)
         yield paths
+        if self._cache_config:
+            # vLLM's family: its labels are the cache's settings (block_size, cache_dtype, num_gpu_blocks, ...).
+            cache = GaugeMetricFamily("ember:cache_config_info", "The KV cache's settings, as labels.",
+                                      labels=list(self._cache_config))
+            cache.add_metric(list(self._cache_config.values()), 1)
+            yield cache
 
 
 class LoopHistogram:

@@ -403,6 +403,7 @@ class EmberModelInfo(BaseModel):
     dtype_reason: str
     kernel_level: str  # the ISA level the native kernels were built for; "none" without them
     kernels: dict[str, str]
+    kv_cache_dtype: str  # the model's dtype, or int8 (--kv-cache-dtype)
 
 
 class ModelCard(BaseModel):

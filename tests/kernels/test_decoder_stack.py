@@ -65,10 +65,11 @@ def count_stack_calls(llm: LLM) -> Callable[[], tuple[int, int]]:
 
 
 def generate(model_dir: Path, dtype: str, kernels: str, use_stack: bool, prompts: list[list[int]],
-             step_tokens: int, quantization: str = "none") -> tuple[list, int, int]:
+             step_tokens: int, quantization: str = "none", kv_cache_dtype: str = "auto") -> tuple[list, int, int]:
     """(outputs, decoder stack calls, model steps)."""
     llm = LLM(str(model_dir), dtype=dtype, kernels=kernels, num_threads=2, enable_prefix_caching=False,
-              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, quantization=quantization)
+              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
     counts = count_stack_calls(llm)
     if not use_stack:
         native = llm.engine.runner.model.native
@@ -92,6 +93,21 @@ def test_decoder_stack_matches_op_by_op(stack_model_dir: Path, dtype: str, kerne
     reference, _, _ = generate(stack_model_dir, dtype, kernels, False, prompts, step_tokens)
     stacked, calls, steps = generate(stack_model_dir, dtype, kernels, True, prompts, step_tokens)
     assert calls == steps >= 12  # every step, prefill and mixed ones included, ran as one native call
+    assert_same_outputs(reference, stacked)
+
+
+# The stacks built for an int8 KV cache (kv_cache.h) against the op-by-op path over the same cache: float weights
+# at every level, and quantized ones (int8, then the GEMV and panels) in bfloat16; decodes and prompt chunks with
+# cached context before them in 16-row steps.
+@pytest.mark.parametrize(("dtype", "kernels", "quantization"), [*((dtype, kernels, "none") for dtype, kernels in CASES),
+                         *(("bfloat16", kernels, "int8") for dtype, kernels in CASES if dtype == "bfloat16")])
+def test_decoder_stack_over_an_int8_kv_cache_matches_op_by_op(stack_model_dir: Path, dtype: str, kernels: str,
+                                                              quantization: str) -> None:
+    skip_without_stack(dtype, kernels)
+    prompts = [[100 + (7 * i + j) % 900 for j in range(5 + 9 * (i % 5))] for i in range(6)]
+    reference, _, _ = generate(stack_model_dir, dtype, kernels, False, prompts, 16, quantization, "int8")
+    stacked, calls, steps = generate(stack_model_dir, dtype, kernels, True, prompts, 16, quantization, "int8")
+    assert calls == steps >= 11
     assert_same_outputs(reference, stacked)
 
 

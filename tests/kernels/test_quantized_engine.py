@@ -47,12 +47,14 @@ pytestmark = [
 ]
 
 
-def engine(model: Path, quantization: str, dtype: str = "float32", kernels: str = "auto") -> LLM:
+def engine(model: Path, quantization: str, dtype: str = "float32", kernels: str = "auto",
+           kv_cache_dtype: str = "auto") -> LLM:
     return LLM(
         str(model),
         dtype=dtype,
         kernels=kernels,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         num_threads=2,
         max_num_batched_tokens=16,
         max_num_seqs=len(PROMPTS),

@@ -1,5 +1,6 @@
-"""`ember serve` reports its dtype (and why) and the code each part of a step runs on: in its start log, in
-each /v1/models card's `ember` field and as `ember:kernel_path_info` on /metrics."""
+"""`ember serve` reports its dtype (and why), the code each part of a step runs on and its KV cache's format: in
+its start log, in each /v1/models card's `ember` field and as `ember:kernel_path_info` and
+`ember:cache_config_info` (vLLM's `vllm:cache_config_info`) on /metrics."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def kernel_path_samples(server) -> dict[str, float]:
 def test_float32_on_torch_ops_is_reported(server, auth) -> None:
     card = httpx.get(f"{server.url}/v1/models", headers=auth).json()["data"][0]
     assert card["ember"] == {"dtype": "float32", "dtype_reason": "set by --dtype float32", "kernel_level": "none",
-                             "kernels": TORCH_PATHS}
+                             "kernels": TORCH_PATHS, "kv_cache_dtype": "float32"}
     assert kernel_path_samples(server) == {
         f'ember:kernel_path_info{{model_name="tiny",part="{part}",path="{path}"}}': 1.0
         for part, path in TORCH_PATHS.items()
@@ -48,7 +49,7 @@ def test_forced_avx512_level_is_reported(launch_server, native_model_dir: Path) 
     try:
         card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
         assert card["ember"] == {"dtype": "bfloat16", "dtype_reason": "set by --dtype bfloat16",
-                                 "kernel_level": "avx512", "kernels": AVX512_PATHS}
+                                 "kernel_level": "avx512", "kernels": AVX512_PATHS, "kv_cache_dtype": "bfloat16"}
         assert kernel_path_samples(server) == {
             f'ember:kernel_path_info{{model_name="tiny",part="{part}",path="{path}"}}': 1.0
             for part, path in AVX512_PATHS.items()
@@ -98,3 +99,37 @@ def test_quantized_gguf_weights_are_reported_and_served(launch_server, smollm2_g
 def test_gguf_quantization_of_a_folder_stops_the_start(launch_server, tiny_model_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="is not a .gguf file; use --quantization int8"):
         launch_server(tiny_model_dir, "--quantization", "gguf")
+
+
+def cache_config_samples(server) -> dict[str, float]:
+    return {key: value for key, value in server.metrics().items() if "cache_config_info" in key}
+
+
+def test_the_kv_cache_format_is_reported(server) -> None:
+    samples = cache_config_samples(server)
+    assert sorted(key.split("{")[0] for key in samples) == ["ember:cache_config_info", "vllm:cache_config_info"]
+    assert set(samples.values()) == {1.0}
+    labels = dict(item.split("=") for item in min(samples).split("{")[1].rstrip("}").split(","))
+    assert int(labels.pop("num_gpu_blocks").strip('"')) > 0
+    assert labels == {"block_size": '"16"', "cache_dtype": '"float32"', "enable_prefix_caching": '"True"'}
+
+
+@pytest.mark.slow
+def test_int8_kv_cache_on_the_default_model_is_reported_and_served(launch_server, smollm2_gguf_path: Path) -> None:
+    """The default configuration (dtype, quantization and kernels auto) with --kv-cache-dtype int8, over HTTP."""
+    server = launch_server(smollm2_gguf_path, "--dtype", "auto", "--kv-cache-dtype", "int8")
+    try:
+        ember = httpx.get(f"{server.url}/v1/models").json()["data"][0]["ember"]
+        assert ember["kv_cache_dtype"] == "int8"
+        assert all('cache_dtype="int8"' in key for key in cache_config_samples(server))
+        completion = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+        assert completion.status_code == 200 and "Paris" in completion.json()["choices"][0]["text"]
+        assert "KV blocks of 16 tokens in int8" in server.log()
+    finally:
+        server.stop()
+
+
+def test_an_unknown_kv_cache_dtype_stops_the_start(launch_server, tiny_model_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="--kv-cache-dtype: invalid choice: 'fp8'"):
+        launch_server(tiny_model_dir, "--kv-cache-dtype", "fp8")
