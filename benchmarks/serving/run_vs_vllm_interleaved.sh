@@ -8,6 +8,7 @@
 # run_vs_vllm.sh needs. The idle server waits on its sockets: check with `ps` that it takes no CPU.
 # vLLM runs in its best dtype for this CPU: bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere
 # (emulated bfloat16 is about 2x slower there; ../shared/peers/README.md); VLLM_DTYPE overrides it.
+# EMBER_FLAGS adds `ember serve` flags (e.g. EMBER_FLAGS="--kv-cache-dtype int8"); ember's defaults without it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_vs_vllm_interleaved.sh OUTDIR [ROUNDS]}
@@ -19,7 +20,8 @@ vllm_dtype=${VLLM_DTYPE:-$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && ech
 echo "vLLM dtype: $vllm_dtype" | tee "$out/vllm-dtype.txt"
 start_vllm vllm "$vllm_dtype" || exit 1
 vllm_pid=$server_pid
-start_ember ember || { server_pid=$vllm_pid; stop_server; exit 1; }
+# shellcheck disable=SC2086  # EMBER_FLAGS: several flags, split on spaces
+start_ember ember ${EMBER_FLAGS:-} || { server_pid=$vllm_pid; stop_server; exit 1; }
 ember_pid=$server_pid
 for round in $(seq 1 "$rounds"); do
   for point in "32 64" "8 64" "1 16"; do
