@@ -116,16 +116,23 @@ static inline __attribute__((always_inline)) void attend_rows(
         const int64_t next_valid = last_keys - start - AHEAD < TILE ? last_keys - start - AHEAD : TILE;
         const cache_element *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
+#ifdef KV_INT8
+        // The tile's scales per KV head (0 past `valid`), read row by row: a loop per head compiled to gathers.
+        float tile_key_scales[num_heads][TILE] __attribute__((aligned(64)));
+        float tile_value_scales[num_heads][TILE] __attribute__((aligned(64)));
+        for (int i = 0; i < TILE; i++) {
+            const float *scales = kv_int8_scales(cache_row[i < valid ? i : 0], num_kv_heads, HEAD_DIM);
+            for (int kv = 0; kv < num_heads; kv++) {
+                tile_key_scales[kv][i] = i < valid ? scales[first_head + kv] : 0.0f;
+                tile_value_scales[kv][i] = i < valid ? scales[num_kv_heads + first_head + kv] : 0.0f;
+            }
+        }
+#endif
         for (int kv = 0; kv < num_heads; kv++) {
             const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;
             const int64_t value_offset = (int64_t)(num_kv_heads + first_head + kv) * HEAD_DIM;
 #ifdef KV_INT8
-            float key_scales[TILE] __attribute__((aligned(64))), value_scales[TILE] __attribute__((aligned(64)));
-            for (int i = 0; i < TILE; i++) {
-                const float *scales = kv_int8_scales(cache_row[i < valid ? i : 0], num_kv_heads, HEAD_DIM);
-                key_scales[i] = i < valid ? scales[first_head + kv] : 0.0f;
-                value_scales[i] = i < valid ? scales[num_kv_heads + first_head + kv] : 0.0f;
-            }
+            const float *key_scales = tile_key_scales[kv], *value_scales = tile_value_scales[kv];
             __m512 qv[rows][QUERIES_PER_KV][CHUNKS];
             for (int r = 0; r < rows; r++)
                 for (int g = 0; g < QUERIES_PER_KV; g++)
@@ -192,29 +199,41 @@ static inline __attribute__((always_inline)) void attend_rows(
                 const __mmask16 mask = tile_mask(row_valid[r]);
                 float *group_acc = acc + (r * num_queries + kv * QUERIES_PER_KV) * HEAD_DIM;
                 // Online softmax: rescale what was accumulated when this tile raises a head's maximum.
+                const int first_h = r * num_queries + kv * QUERIES_PER_KV;
+                __m512 scores[QUERIES_PER_KV];
+                float new_max[QUERIES_PER_KV], correction[QUERIES_PER_KV + 15];
+                for (int g = 0; g < QUERIES_PER_KV; g++) {
+                    scores[g] = _mm512_mul_ps(sum_lanes16(dots[r][g]), scale_vector);
+#ifdef KV_INT8
+                    scores[g] = _mm512_mul_ps(scores[g], _mm512_load_ps(key_scales));
+#endif
+                    const float tile_max = _mm512_mask_reduce_max_ps(mask, scores[g]);
+                    new_max[g] = tile_max > running_max[first_h + g] ? tile_max : running_max[first_h + g];
+                }
+                // The heads' rescaling factors in one vector exp, not a libm expf call each (docs/benchmarks.md).
+                // The first tile's exp(-inf) comes out as exp(-87) from the clamp: it scales zeros.
+                for (int g0 = 0; g0 < QUERIES_PER_KV; g0 += 16) {
+                    float shift[16] = {0};
+                    for (int g = g0; g < QUERIES_PER_KV && g < g0 + 16; g++)
+                        shift[g - g0] = running_max[first_h + g] - new_max[g];
+                    _mm512_storeu_ps(correction + g0, exp512(_mm512_loadu_ps(shift)));
+                }
                 float probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
                 __m512 group_out[QUERIES_PER_KV][CHUNKS];
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
-                    const int h = r * num_queries + kv * QUERIES_PER_KV + g;
-                    __m512 scores = _mm512_mul_ps(sum_lanes16(dots[r][g]), scale_vector);
-#ifdef KV_INT8
-                    scores = _mm512_mul_ps(scores, _mm512_load_ps(key_scales));
-#endif
-                    const float tile_max = _mm512_mask_reduce_max_ps(mask, scores);
-                    const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
-                    const float correction = expf(running_max[h] - new_max);
+                    const int h = first_h + g;
                     const __m512 p =
-                        _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+                        _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores[g], _mm512_set1_ps(new_max[g]))));
 #ifdef KV_INT8
                     _mm512_store_ps(probs[g], _mm512_mul_ps(p, _mm512_load_ps(value_scales)));
 #else
                     _mm512_store_ps(probs[g], p);
 #endif
-                    running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
-                    running_max[h] = new_max;
+                    running_sum[h] = running_sum[h] * correction[g] + _mm512_reduce_add_ps(p);
+                    running_max[h] = new_max[g];
                     for (int c = 0; c < CHUNKS; c++)
                         group_out[g][c] = _mm512_mul_ps(_mm512_load_ps(group_acc + g * HEAD_DIM + c * 16),
-                                                        _mm512_set1_ps(correction));
+                                                        _mm512_set1_ps(correction[g]));
                 }
                 for (int i = 0; i < row_valid[r]; i++) {
                     __m512 v[CHUNKS];

@@ -69,7 +69,7 @@ static void head_start(head_state *h, const float *q, float scale) {
 // time, so that neither loop holds more vectors than there are registers.
 static void head_tile(head_state *h, const cache_element *const rows[TILE], int valid, int64_t key_offset,
                       int64_t value_offset, const float *key_scales, const float *value_scales) {
-    float scores[QUERIES_PER_KV][TILE], correction[QUERIES_PER_KV];
+    float scores[QUERIES_PER_KV][TILE], correction[QUERIES_PER_KV + LANES - 1];
     for (int g = 0; g < QUERIES_PER_KV; g++)
         for (int i0 = 0; i0 < valid; i0 += KEYS) {
             vfloat dot[KEYS];
@@ -85,16 +85,25 @@ static void head_tile(head_state *h, const cache_element *const rows[TILE], int 
 #else
     (void)key_scales;
 #endif
+    float new_max[QUERIES_PER_KV];
     for (int g = 0; g < QUERIES_PER_KV; g++) {
-        float new_max = h->running_max[g];
-        for (int i = 0; i < valid; i++) new_max = scores[g][i] > new_max ? scores[g][i] : new_max;
-        correction[g] = expf(h->running_max[g] - new_max);
+        new_max[g] = h->running_max[g];
+        for (int i = 0; i < valid; i++) new_max[g] = scores[g][i] > new_max[g] ? scores[g][i] : new_max[g];
+    }
+    // The heads' rescaling factors in vector exps, not a libm expf call each (docs/benchmarks.md). The first
+    // tile's exp(-inf) comes out as exp(-87) from the clamp: it scales zeros.
+    for (int g0 = 0; g0 < QUERIES_PER_KV; g0 += LANES) {
+        float shift[LANES] = {0};
+        for (int g = g0; g < QUERIES_PER_KV && g < g0 + LANES; g++) shift[g - g0] = h->running_max[g] - new_max[g];
+        vstore(correction + g0, vexp(vload(shift)));
+    }
+    for (int g = 0; g < QUERIES_PER_KV; g++) {
         h->running_sum[g] *= correction[g];
         for (int i = valid; i < TILE; i++) scores[g][i] = -INFINITY;  // a short tile's unused lanes
         for (int i = 0; i < TILE; i += LANES)
-            vstore(scores[g] + i, vexp(vadd(vload(scores[g] + i), vset1(-new_max))));
+            vstore(scores[g] + i, vexp(vadd(vload(scores[g] + i), vset1(-new_max[g]))));
         for (int i = 0; i < valid; i++) h->running_sum[g] += scores[g][i];
-        h->running_max[g] = new_max;
+        h->running_max[g] = new_max[g];
     }
     // The softmax weights of the V rows: an int8 cache's carry each value's scale.
 #ifdef KV_INT8
