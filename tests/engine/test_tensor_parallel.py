@@ -51,8 +51,10 @@ def make_tp_llm(tiny_model_dir):
         {"max_num_batched_tokens": 16},  # chunked prefill
         {"kv_cache_memory": kv_gib(24), "enable_prefix_caching": False},  # preemption
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}},
+        # A scale per token and KV head: each rank's heads quantize as one rank's do.
+        {"kv_cache_dtype": "int8", "max_num_batched_tokens": 16},
     ],
-    ids=["batch", "batch-gloo", "chunked-prefill", "preemption", "ngram-speculation"],
+    ids=["batch", "batch-gloo", "chunked-prefill", "preemption", "ngram-speculation", "int8-kv-cache"],
 )
 def test_two_ranks_give_one_rank_greedy_tokens(make_tp_llm, engine_args):
     # Repetitive prompts give the n-gram proposer drafts to verify.
