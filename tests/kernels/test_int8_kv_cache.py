@@ -25,7 +25,14 @@ from ember.layers.kv_cache import (
     write_kv,
 )
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from tests.kernels.test_native_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, exact_chunk_attention
+from tests.kernels.test_native_kernels import (
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    exact_chunk_attention,
+    scrambled_block_tables,
+)
 from tests.kernels.test_quantized_engine import NEW_TOKENS, PROMPTS, engine, greedy_agreement
 
 CPU = torch.device("cpu")
@@ -93,17 +100,11 @@ def int8_cache_with_tables(lengths: list[int], seed: int, dtype: torch.dtype
                            ) -> tuple[list[list[int]], torch.Tensor]:
     """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and an int8 cache whose
     every slot holds random K/V quantized."""
-    rng = np.random.default_rng(seed)
-    blocks_needed = [-(-n // BLOCK) for n in lengths]
-    physical = rng.permutation(sum(blocks_needed) + 4)
-    tables, start = [], 0
-    for count in blocks_needed:
-        tables.append(physical[start : start + count].tolist())
-        start += count
-    cache = allocate_kv_cache(1, len(physical), BLOCK, KV_HEADS, HEAD_DIM, dtype, "int8", CPU)[0]
+    tables, num_blocks = scrambled_block_tables(lengths, seed)
+    cache = allocate_kv_cache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, "int8", CPU)[0]
     generator = torch.Generator().manual_seed(seed)
-    k, v = (torch.randn(len(physical) * BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
-    write_kv(cache, torch.arange(len(physical) * BLOCK), k, v)
+    k, v = (torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+    write_kv(cache, torch.arange(num_blocks * BLOCK), k, v)
     return tables, cache
 
 
@@ -167,14 +168,9 @@ def test_decode_attention_over_int8_matches_exact_attention(native: NativeKernel
     q = random_q(len(context_lens), dtype, 4)
     out = native.paged_decode_attention(q, cache, block_tables, torch.tensor(context_lens), HEAD_DIM**-0.5)
 
-    flat = dequantized(cache).view(-1, 2, KV_HEADS, HEAD_DIM)
-    for row, (n, table) in enumerate(zip(context_lens, tables, strict=True)):
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
-        keys, values = flat[slots, 0].double(), flat[slots, 1].double()
-        query = q[row].double().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-        scores = torch.einsum("ghd,tgd->ght", query, keys) * HEAD_DIM**-0.5
-        exact = torch.einsum("ght,tgd->ghd", scores.softmax(-1), values).reshape(-1)
-        assert (out[row].double() - exact).abs().max() <= bound(exact, dtype)
+    decodes = [(n - 1, 1) for n in context_lens]  # one query at the last position of each sequence
+    for row, case, exact in exact_chunk_attention(q, dequantized(cache), decodes, tables):
+        assert (out[row].double() - exact).abs().max() <= bound(exact, dtype), case
 
 
 @pytest.mark.parametrize("chunks", [

@@ -47,18 +47,25 @@ def native() -> NativeKernels:
     return kernels
 
 
-def scrambled_paged_cache(lengths: list[int], seed: int, kv_heads: int = KV_HEADS
-                          ) -> tuple[list[list[int]], torch.Tensor]:
-    """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and a random cache."""
+def scrambled_block_tables(lengths: list[int], seed: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and the number of blocks
+    (a few more than the tables use)."""
     rng = np.random.default_rng(seed)
-    torch.manual_seed(seed)
     blocks_needed = [-(-n // BLOCK) for n in lengths]
     physical = rng.permutation(sum(blocks_needed) + 4)
     tables, start = [], 0
     for count in blocks_needed:
         tables.append(physical[start : start + count].tolist())
         start += count
-    return tables, torch.randn(len(physical), BLOCK, 2, kv_heads, HEAD_DIM).bfloat16()
+    return tables, len(physical)
+
+
+def scrambled_paged_cache(lengths: list[int], seed: int, kv_heads: int = KV_HEADS
+                          ) -> tuple[list[list[int]], torch.Tensor]:
+    """Block tables for sequences of `lengths` tokens over shuffled physical blocks, and a random cache."""
+    tables, num_blocks = scrambled_block_tables(lengths, seed)
+    torch.manual_seed(seed)
+    return tables, torch.randn(num_blocks, BLOCK, 2, kv_heads, HEAD_DIM).bfloat16()
 
 
 def random_qkv(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
