@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from ember.cli import build_parser
 from ember.engine.args import SERVING_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from ember.errors import EmberError
 
 
 def parse(*argv: str) -> EngineArgs:
@@ -26,3 +29,10 @@ def test_every_engine_field_is_a_flag_with_its_default() -> None:
     for field in dataclasses.fields(EngineArgs):
         if field.name != "kernels":
             assert getattr(args, field.name) == getattr(defaults, field.name), field.name
+
+
+def test_kv_cache_dtype_takes_vllms_flag_and_refuses_unknown_formats() -> None:
+    assert parse("serve", "--kv-cache-dtype", "int8").kv_cache_dtype == "int8"
+    assert parse("serve").kv_cache_dtype == "auto"
+    with pytest.raises(EmberError, match="kv_cache_dtype must be one of auto, int8, got 'fp8'"):
+        EngineArgs(kv_cache_dtype="fp8")

@@ -132,3 +132,13 @@ def test_kv_cache_is_sized_from_kv_cache_memory(tiny_model_dir: Path) -> None:
                                      config.num_key_value_heads, config.head_dim)
     with pytest.raises(EmberError, match="holds no KV block"):
         make_runner(tiny_model_dir, kv_cache_memory=1e-9)
+
+
+def test_an_int8_kv_cache_holds_a_row_of_int8_values_and_scales_per_token(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, kv_cache_memory=0.001, kv_cache_dtype="int8")
+    config = runner.config
+    row_bytes = 2 * config.num_key_value_heads * config.head_dim + 2 * config.num_key_value_heads * 4
+    assert runner.num_blocks == int(0.001 * (1 << 30)) // (config.num_hidden_layers * BLOCK_SIZE * row_bytes)
+    assert runner.kv_cache.shape == (config.num_hidden_layers, runner.num_blocks, BLOCK_SIZE, row_bytes)
+    assert runner.kv_cache.dtype == torch.int8 and runner.kv_cache_dtype == "int8"
+    assert runner.cache_config["cache_dtype"] == "int8"
