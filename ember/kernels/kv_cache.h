@@ -7,6 +7,7 @@
 // reads that much less.
 #pragma once
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 // The cache's element type for kernels of a dtype whose own element type is `model_type`.
@@ -36,5 +37,20 @@ static inline void kv_int8_store(const float *kv, int8_t *row, int num_kv_heads,
         // A division, not a product by the inverse: the same values as torch's x / scale.
         for (int i = 0; i < head_dim; i++) row[h * head_dim + i] = (int8_t)nearbyintf(x[i] / divisor);
         scales[h] = scale;
+    }
+}
+
+// The scales of KV heads [first_head, first_head + heads) in `count` cache rows: keys[h * stride + i] and
+// values[h * stride + i] for row i, 0 for i in [count, stride). Scalar loads on purpose: vectorized over the rows,
+// GCC turned this loop into gathers, which took more of the attention kernels' time than these loads.
+static void __attribute__((unused, noinline, optimize("no-tree-vectorize"))) kv_int8_tile_scales(
+    const int8_t *const *rows, int count, int stride, int num_kv_heads, int head_dim, int first_head, int heads,
+    float *keys, float *values) {
+    for (int i = 0; i < stride; i++) {
+        const float *scales = i < count ? kv_int8_scales(rows[i], num_kv_heads, head_dim) : NULL;
+        for (int h = 0; h < heads; h++) {
+            keys[h * stride + i] = scales ? scales[first_head + h] : 0.0f;
+            values[h * stride + i] = scales ? scales[num_kv_heads + first_head + h] : 0.0f;
+        }
     }
 }

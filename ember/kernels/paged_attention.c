@@ -117,16 +117,10 @@ static inline __attribute__((always_inline)) void attend_rows(
         const cache_element *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
 #ifdef KV_INT8
-        // The tile's scales per KV head (0 past `valid`), read row by row: a loop per head compiled to gathers.
         float tile_key_scales[num_heads][TILE] __attribute__((aligned(64)));
         float tile_value_scales[num_heads][TILE] __attribute__((aligned(64)));
-        for (int i = 0; i < TILE; i++) {
-            const float *scales = kv_int8_scales(cache_row[i < valid ? i : 0], num_kv_heads, HEAD_DIM);
-            for (int kv = 0; kv < num_heads; kv++) {
-                tile_key_scales[kv][i] = i < valid ? scales[first_head + kv] : 0.0f;
-                tile_value_scales[kv][i] = i < valid ? scales[num_kv_heads + first_head + kv] : 0.0f;
-            }
-        }
+        kv_int8_tile_scales(cache_row, (int)valid, TILE, num_kv_heads, HEAD_DIM, first_head, num_heads,
+                            &tile_key_scales[0][0], &tile_value_scales[0][0]);
 #endif
         for (int kv = 0; kv < num_heads; kv++) {
             const int64_t key_offset = (int64_t)(first_head + kv) * HEAD_DIM;

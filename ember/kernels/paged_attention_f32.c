@@ -145,18 +145,15 @@ static void attend_heads(const float *q, float *out, const cache_element *cache,
             const int64_t position = start + (i < valid ? i : valid - 1);
             rows[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
         }
+        float key_scales[MAX_TASK_HEADS][TILE], value_scales[MAX_TASK_HEADS][TILE];  // an int8 cache's
+#ifdef KV_INT8
+        kv_int8_tile_scales(rows, valid, TILE, num_kv_heads, HEAD_DIM, first_head, heads, &key_scales[0][0],
+                            &value_scales[0][0]);
+#endif
         for (int h = 0; h < heads; h++) {
             const int kv_head = first_head + h;
-            float key_scales[TILE], value_scales[TILE];
-#ifdef KV_INT8
-            for (int i = 0; i < valid; i++) {
-                const float *scales = kv_int8_scales(rows[i], num_kv_heads, HEAD_DIM);
-                key_scales[i] = scales[kv_head];
-                value_scales[i] = scales[num_kv_heads + kv_head];
-            }
-#endif
             head_tile(&state[h], rows, valid, (int64_t)kv_head * HEAD_DIM, (int64_t)(num_kv_heads + kv_head) * HEAD_DIM,
-                      key_scales, value_scales);
+                      key_scales[h], value_scales[h]);
         }
     }
     for (int h = 0; h < heads; h++)
