@@ -104,9 +104,13 @@ static inline void w8a8_store_row(__m512 sum0, __m512 sum1, float offset, __m512
 // Rows [0, rows) of a (rows <= 32, the tiles configured for them) times one packed panel into out's 32
 // columns (row stride n). Per group of 64 k: one tdpbsud per 16 rows x 16 outputs, its int32 tile stored and
 // scaled into float32 sums in L1 (the VNNI path's arithmetic, in its order). `next` (or NULL): the next panel
-// in memory (INT8_PANELS), requested into L2 a line for each line read.
-static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, const float *col_scales,
-                      const uint16_t *bias, uint16_t *out, int64_t n, int rows) {
+// in memory (INT8_PANELS), all of it requested into L2 by the panel's first tile (first_line 0), a line for each
+// line read (the tiles take 32 rows at a time here: most panels have one).
+static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, int64_t first_line,
+                      int64_t last_line, const float *col_scales, const uint16_t *bias, uint16_t *out, int64_t n,
+                      int rows) {
+    (void)last_line;
+    if (first_line != 0) next = NULL;
     const int64_t groups = k / W8A8_GROUP, half_bytes = k / 4 * 64;
     const int second = rows - TILE_ROWS;  // rows in the second A tile (if positive)
     // [row tile][16 outputs of the panel's half][row][16]: tile (t, h) is tdpbsud's destination 4 + 2t + h.
@@ -171,23 +175,28 @@ static inline __m512i w8a8_dot(__m512i acc, __m512i u, __m512i q) {
 
 // Rows [0, rows) of a (a constant count up to W8A8_TILE_ROWS) times one packed panel into out's 32 columns
 // from `out` (row stride n). Inlined per row count, so the accumulators are registers.
-// `next` (or NULL): the next panel in memory (INT8_PANELS), requested into L2 a line for each line read.
+// `next` (or NULL): the next panel in memory (INT8_PANELS), whose lines [first_line, last_line) of each half
+// (a line: 4 k of 16 columns) this tile requests into L2, spread over its groups: each tile of the panel
+// requests its share, so that the requests overlap all of the panel's arithmetic, not the first tile's only.
 static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64_t k, const uint8_t *panel,
-                                                           const uint8_t *next, const float *col_scales,
+                                                           const uint8_t *next, int64_t first_line,
+                                                           int64_t last_line, const float *col_scales,
                                                            const uint16_t *bias, uint16_t *out, int64_t n,
                                                            const int rows) {
-    const int64_t groups = k / W8A8_GROUP;
-    const uint8_t *w0 = panel, *w1 = panel + k / 4 * 64;
+    const int64_t groups = k / W8A8_GROUP, half_bytes = k / 4 * 64;
+    const uint8_t *w0 = panel, *w1 = panel + half_bytes;
     __m512 sum0[W8A8_TILE_ROWS], sum1[W8A8_TILE_ROWS];
     for (int m = 0; m < rows; m++) sum0[m] = sum1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc0[W8A8_TILE_ROWS], acc1[W8A8_TILE_ROWS];
         for (int m = 0; m < rows; m++) acc0[m] = acc1[m] = _mm512_setzero_si512();
-        for (int64_t p = g * W8A8_GROUP / 4; p < (g + 1) * W8A8_GROUP / 4; p++) {
-            if (next) {
-                _mm_prefetch((const char *)(next + p * 64), _MM_HINT_T1);
-                _mm_prefetch((const char *)(next + k / 4 * 64 + p * 64), _MM_HINT_T1);
+        if (next)
+            for (int64_t line = first_line + (last_line - first_line) * g / groups;
+                 line < first_line + (last_line - first_line) * (g + 1) / groups; line++) {
+                _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + half_bytes + line * 64), _MM_HINT_T1);
             }
+        for (int64_t p = g * W8A8_GROUP / 4; p < (g + 1) * W8A8_GROUP / 4; p++) {
             const __m512i wa = _mm512_load_si512(w0 + p * 64), wb = _mm512_load_si512(w1 + p * 64);
             for (int m = 0; m < rows; m++) {
                 const __m512i q = _mm512_broadcastd_epi32(_mm_loadu_si32(a.q + m * k + 4 * p));
@@ -207,9 +216,10 @@ static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64
     for (int m = 0; m < rows; m++) w8a8_store_row(sum0[m], sum1[m], a.offsets[m], s0, s1, b0, b1, out + m * n);
 }
 
-static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, const float *col_scales,
-                      const uint16_t *bias, uint16_t *out, int64_t n, int rows) {
-#define W8A8_TILE(ROWS) w8a8_tile(a, k, panel, next, col_scales, bias, out, n, ROWS)
+static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, int64_t first_line,
+                      int64_t last_line, const float *col_scales, const uint16_t *bias, uint16_t *out, int64_t n,
+                      int rows) {
+#define W8A8_TILE(ROWS) w8a8_tile(a, k, panel, next, first_line, last_line, col_scales, bias, out, n, ROWS)
     switch (rows) {
         case 6: W8A8_TILE(6); break;
         case 5: W8A8_TILE(5); break;
@@ -251,15 +261,17 @@ static void w8a8_panel_gemm_share(const void *qs, int packed, const float *scale
         const uint8_t *panel = packed ? (const uint8_t *)qs + p * PANEL * k : scratch;
         if (!packed) w8a8_pack_panel(qs, p * PANEL, k, p + 1 < end, scratch);
         for (int first = 0; first < rows; first += W8A8_TILE_ROWS) {
-            const w8a8_rows_t tile = {a.q + (int64_t)first * k, a.scales + (int64_t)first * (k / W8A8_GROUP),
-                                      a.offsets + first};
-            const uint8_t *next = packed && first == 0 && p + 1 < end ? panel + PANEL * k : NULL;
+            const w8a8_rows_t tile_a = {a.q + (int64_t)first * k, a.scales + (int64_t)first * (k / W8A8_GROUP),
+                                        a.offsets + first};
             const int tile_rows = rows - first < W8A8_TILE_ROWS ? rows - first : W8A8_TILE_ROWS;
+            // The next panel's lines (k / 4 per half), shared among the tiles as their rows are.
+            const uint8_t *next = packed && p + 1 < end ? panel + PANEL * k : NULL;
 #if defined(PANEL_GEMM_AMX)
             if (tile_rows != configured) configure_tiles(configured = tile_rows);
 #endif
-            w8a8_rows(tile, k, panel, next, scales + p * PANEL, bias ? bias + p * PANEL : NULL,
-                      out + (int64_t)first * n + p * PANEL, n, tile_rows);
+            w8a8_rows(tile_a, k, panel, next, k / 4 * first / rows, k / 4 * (first + tile_rows) / rows,
+                      scales + p * PANEL, bias ? bias + p * PANEL : NULL, out + (int64_t)first * n + p * PANEL, n,
+                      tile_rows);
         }
     }
 #if defined(PANEL_GEMM_AMX)
