@@ -1,6 +1,7 @@
-// Decode and prompt-chunk attention read in place from the paged bfloat16 KV cache, AVX-512F (no AMX; the
-// scores use AVX512-BF16 dot products where the build has them, else float32 FMAs of widened bf16 inputs;
-// P V is float32 FMAs, like SDPA's).
+// Decode and prompt-chunk attention read in place from the paged bfloat16 KV cache, AVX-512F (no AMX). Where the
+// build has AVX512-BF16, both products are its dot products: q k^T straight from the cache, and P V over pairs of
+// keys with P rounded to bfloat16 (as llama.cpp's CPU flash attention keeps it in fp16). Else float32 FMAs of
+// widened bf16 inputs, P in float32, like SDPA's.
 //
 // Built at run time for one model shape (see ember/kernels/build.py): HEAD_DIM (a multiple of 16) and
 // QUERIES_PER_KV (query heads sharing one KV head) are compile-time constants, so the query and accumulator
@@ -12,8 +13,8 @@
 // sequence (one (row, KV head) when there are fewer rows than threads). It streams the cache rows once, 16
 // tokens at a time: each token's row holds K then V of every KV head (layout of one layer: [num_blocks, block_size,
 // 2 (K, V), num_kv_heads, HEAD_DIM]), so the reads are sequential within a block. Per tile: scores of every
-// query head (fp32), an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators;
-// P stays float32. The gather + padded SDPA this replaces copies every key twice before reading it.
+// query head (fp32), an online-softmax update (flash-decoding), then the tile's V rows into fp32 accumulators.
+// The gather + padded SDPA this replaces copies every key twice before reading it.
 //
 // Built with -DKV_INT8, the same kernels read an int8 cache (kv_cache.h): K and V widened to float32 in order,
 // the scores FMAs of them, each key's scale applied to its score and each value's to its softmax weight.
@@ -24,6 +25,9 @@
 #include "paged_cache.h"
 
 #define CHUNKS (HEAD_DIM / 16)
+#if defined(__AVX512BF16__) && !defined(KV_INT8)
+#define PV_BF16 1  // P V in vdpbf16ps over pairs of keys
+#endif
 #define TILE 16
 #ifndef AHEAD
 #define AHEAD 16
@@ -83,16 +87,20 @@ static inline void load_bf16_split(const uint16_t *p, __m512 *parts) {
 // rows in one call score each key row loaded against all of them, and read its V again from L1.
 // Scores: with AVX512-BF16, q . k in vdpbf16ps straight from the cache's bfloat16 (products exact, pairs
 // summed in float32), else float32 FMAs of the split rows; the scale multiplies each tile's scores once.
-// P stays float32: the V rows are split as above and accumulated by FMAs in the split order. Each row's
-// arithmetic is the same, in the same order, whatever `rows` is. Inlined per row count (a constant).
+// P V: with AVX512-BF16, each pair of keys' V rows interleaved (vpunpck{l,h}wd: per 128-bit lane, the pairs of
+// values 0-3, then 4-7) and dotted with the pair's two softmax weights rounded to bfloat16; the running sum adds
+// the rounded weights, so they still sum to 1. The accumulators hold the lanes' order and are packed back
+// (vpackusdw) when the output is stored. Else P stays float32: the V rows are split as above and accumulated by
+// FMAs in the split order. Each row's arithmetic is the same, in the same order, whatever `rows` is. Inlined per
+// row count (a constant).
 static inline __attribute__((always_inline)) void attend_rows(
     const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, const cache_element *cache,
     const int64_t *table, int block_size, int num_kv_heads, int first_head, int num_heads, int64_t keys,
     float scale, const int rows) {
     const int64_t token_stride = TOKEN_STRIDE(num_kv_heads);
     const int num_queries = num_heads * QUERIES_PER_KV;
-    // Per row and query head: fp32 output accumulator (split order; in order for an int8 cache), running max and
-    // softmax sum.
+    // Per row and query head: fp32 output accumulator (lanes' order with PV_BF16, split order without; in order
+    // for an int8 cache), running max and softmax sum.
     float acc[rows * num_queries * HEAD_DIM] __attribute__((aligned(64)));
     float running_max[rows * num_queries], running_sum[rows * num_queries];
     for (int h = 0; h < rows * num_queries; h++) {
@@ -109,10 +117,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int r = 0; r < rows; r++) row_valid[r] = keys + r - start < TILE ? keys + r - start : TILE;
         const cache_element *cache_row[TILE];
         cache_rows(cache, table, block_size, token_stride, start, valid, cache_row);
-        // The next tile's rows are scattered over blocks: the loop below requests them into L2 while it
-        // computes this tile, one row's K and V of the head at hand per key. Spread like this, the
-        // requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until
-        // the line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads.
+        // The next tile's rows are scattered over blocks: the loop below requests them into L1 (into L2 was
+        // slower) while it computes this tile, one row's K and V of the head at hand per key. Spread like this,
+        // the requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until the
+        // line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads, even with the
+        // blocks in order (2x slower).
         const int64_t next_valid = last_keys - start - AHEAD < TILE ? last_keys - start - AHEAD : TILE;
         const cache_element *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
@@ -154,11 +163,11 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
                 if (i < next_valid) {
                     for (int c = 0; c < HEAD_DIM * (int)sizeof(cache_element); c += 64) {
-                        _mm_prefetch((const char *)(next[i] + key_offset) + c, _MM_HINT_T1);
-                        _mm_prefetch((const char *)(next[i] + value_offset) + c, _MM_HINT_T1);
+                        _mm_prefetch((const char *)(next[i] + key_offset) + c, _MM_HINT_T0);
+                        _mm_prefetch((const char *)(next[i] + value_offset) + c, _MM_HINT_T0);
                     }
 #ifdef KV_INT8
-                    _mm_prefetch((const char *)kv_int8_scales(next[i], num_kv_heads, HEAD_DIM), _MM_HINT_T1);
+                    _mm_prefetch((const char *)kv_int8_scales(next[i], num_kv_heads, HEAD_DIM), _MM_HINT_T0);
 #endif
                 }
 #ifdef KV_INT8
@@ -212,14 +221,22 @@ static inline __attribute__((always_inline)) void attend_rows(
                         shift[g - g0] = running_max[first_h + g] - new_max[g];
                     _mm512_storeu_ps(correction + g0, exp512(_mm512_loadu_ps(shift)));
                 }
+#ifdef PV_BF16
+                uint16_t probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
+#else
                 float probs[QUERIES_PER_KV][TILE] __attribute__((aligned(64)));
+#endif
                 __m512 group_out[QUERIES_PER_KV][CHUNKS];
                 for (int g = 0; g < QUERIES_PER_KV; g++) {
                     const int h = first_h + g;
-                    const __m512 p =
+                    __m512 p =
                         _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(scores[g], _mm512_set1_ps(new_max[g]))));
 #ifdef KV_INT8
                     _mm512_store_ps(probs[g], _mm512_mul_ps(p, _mm512_load_ps(value_scales)));
+#elif defined(PV_BF16)
+                    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+                    _mm256_store_si256((__m256i *)probs[g], rounded);
+                    p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
 #else
                     _mm512_store_ps(probs[g], p);
 #endif
@@ -229,6 +246,26 @@ static inline __attribute__((always_inline)) void attend_rows(
                         group_out[g][c] = _mm512_mul_ps(_mm512_load_ps(group_acc + g * HEAD_DIM + c * 16),
                                                         _mm512_set1_ps(correction[g]));
                 }
+#ifdef PV_BF16
+                for (int i = 0; i < row_valid[r]; i += 2) {
+                    // A lone last key pairs with itself: its partner's weight is 0 (masked).
+                    const uint16_t *v0 = cache_row[i] + value_offset;
+                    const uint16_t *v1 = i + 1 < row_valid[r] ? cache_row[i + 1] + value_offset : v0;
+                    __m512bh pairs[CHUNKS];
+                    for (int c = 0; c < HEAD_DIM / 32; c++) {
+                        const __m512i a = _mm512_loadu_si512(v0 + c * 32), b = _mm512_loadu_si512(v1 + c * 32);
+                        pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                        pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                    }
+                    for (int g = 0; g < QUERIES_PER_KV; g++) {
+                        int32_t weights;
+                        __builtin_memcpy(&weights, &probs[g][i], sizeof weights);
+                        const __m512bh p = (__m512bh)_mm512_set1_epi32(weights);
+                        for (int c = 0; c < CHUNKS; c++)
+                            group_out[g][c] = _mm512_dpbf16_ps(group_out[g][c], pairs[c], p);
+                    }
+                }
+#else
                 for (int i = 0; i < row_valid[r]; i++) {
                     __m512 v[CHUNKS];
 #ifdef KV_INT8
@@ -242,13 +279,15 @@ static inline __attribute__((always_inline)) void attend_rows(
                             group_out[g][c] = _mm512_fmadd_ps(p, v[c], group_out[g][c]);
                     }
                 }
+#endif
                 for (int g = 0; g < QUERIES_PER_KV; g++)
                     for (int c = 0; c < CHUNKS; c++)
                         _mm512_store_ps(group_acc + g * HEAD_DIM + c * 16, group_out[g][c]);
             }
         }
     }
-    // Back from the split order: each 32-bit pair of the output is (even value, odd value), both rounded.
+    // Back to the values' order: with PV_BF16, per 128-bit lane, values 0-3 then 4-7 (vpackusdw of the high
+    // halves); from the split order, each 32-bit pair of the output is (even value, odd value). Both rounded.
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < num_queries; h++) {
             const float *head_acc = acc + (r * num_queries + h) * HEAD_DIM;
@@ -257,6 +296,15 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int c = 0; c < CHUNKS; c++)
                 store_bf16(out + r * out_stride + h * HEAD_DIM + c * 16,
                            round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + c * 16), inverse_sum)));
+#elif defined(PV_BF16)
+            for (int c = 0; c < HEAD_DIM / 32; c++) {
+                const __m512i low = _mm512_castps_si512(
+                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + 2 * c * 16), inverse_sum)));
+                const __m512i high = _mm512_castps_si512(
+                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + (2 * c + 1) * 16), inverse_sum)));
+                _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32,
+                                    _mm512_packus_epi32(_mm512_srli_epi32(low, 16), _mm512_srli_epi32(high, 16)));
+            }
 #else
             for (int c = 0; c < HEAD_DIM / 32; c++) {
                 const __m512i even = _mm512_castps_si512(

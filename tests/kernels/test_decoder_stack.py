@@ -203,7 +203,10 @@ def test_auto_quantization_runs_the_blocks_for_small_decodes_and_other_tables_fo
         # With 4 prompts the first tokens come from prompt steps whose logits rows are few enough for the LM
         # head's GEMV in both runs; later tokens of these random prompts can go another way at near ties.
         for g, a in zip(gguf, auto if num_prompts == 4 else [], strict=False):
-            assert g.token_ids[0] == a.token_ids[0]
+            # The same token, unless gguf's logits tied it with auto's at bfloat16's resolution (it takes the first).
+            top = g.logprobs[0][g.token_ids[0]].logprob
+            tied = a.token_ids[0] in g.logprobs[0] and g.logprobs[0][a.token_ids[0]].logprob == top
+            assert g.token_ids[0] == a.token_ids[0] or tied
             assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(g.logprobs[0][g.token_ids[0]].logprob, abs=0.3)
             if quant_gemm.w8a8_name == "w8a8_amx":  # the same panels: bit for bit
                 assert a.logprobs[0] == g.logprobs[0]
