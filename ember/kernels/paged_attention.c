@@ -286,8 +286,8 @@ static inline __attribute__((always_inline)) void attend_rows(
             }
         }
     }
-    // Back to the values' order: with PV_BF16, per 128-bit lane, values 0-3 then 4-7 (vpackusdw of the high
-    // halves); from the split order, each 32-bit pair of the output is (even value, odd value). Both rounded.
+    // Back to the values' order: with PV_BF16 vpackusdw of the high halves (per 128-bit lane, values 0-3 then
+    // 4-7), else each 32-bit pair of the output is (even value, odd value).
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < num_queries; h++) {
             const float *head_acc = acc + (r * num_queries + h) * HEAD_DIM;
@@ -296,23 +296,20 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int c = 0; c < CHUNKS; c++)
                 store_bf16(out + r * out_stride + h * HEAD_DIM + c * 16,
                            round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + c * 16), inverse_sum)));
-#elif defined(PV_BF16)
-            for (int c = 0; c < HEAD_DIM / 32; c++) {
-                const __m512i low = _mm512_castps_si512(
-                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + 2 * c * 16), inverse_sum)));
-                const __m512i high = _mm512_castps_si512(
-                    round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + (2 * c + 1) * 16), inverse_sum)));
-                _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32,
-                                    _mm512_packus_epi32(_mm512_srli_epi32(low, 16), _mm512_srli_epi32(high, 16)));
-            }
 #else
             for (int c = 0; c < HEAD_DIM / 32; c++) {
-                const __m512i even = _mm512_castps_si512(
+                // These 32 values' two accumulators, rounded: with PV_BF16 each 128-bit lane's values 0-3, then
+                // 4-7; else the evens, then the odds.
+                const __m512i first = _mm512_castps_si512(
                     round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + 2 * c * 16), inverse_sum)));
-                const __m512i odd = _mm512_castps_si512(
+                const __m512i second = _mm512_castps_si512(
                     round_bf16(_mm512_mul_ps(_mm512_load_ps(head_acc + (2 * c + 1) * 16), inverse_sum)));
-                _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32,
-                                    _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+#ifdef PV_BF16
+                const __m512i values = _mm512_packus_epi32(_mm512_srli_epi32(first, 16), _mm512_srli_epi32(second, 16));
+#else
+                const __m512i values = _mm512_or_si512(_mm512_srli_epi32(first, 16), second);
+#endif
+                _mm512_storeu_si512(out + r * out_stride + h * HEAD_DIM + c * 32, values);
             }
 #endif
         }
