@@ -15,9 +15,8 @@
 #include <stdint.h>
 
 #include "f32_simd.h"
-#include "kv_cache.h"
-
-typedef KV_ELEMENT(float) cache_element;
+#define PAGED_CACHE_VALUE float
+#include "paged_cache.h"
 
 #ifdef KV_INT8
 #define TOKEN_STRIDE(num_kv_heads) kv_int8_row_bytes(num_kv_heads, HEAD_DIM)
@@ -67,7 +66,7 @@ static void head_start(head_state *h, const float *q, float scale) {
 // values are key_scales and value_scales (NULL otherwise). Each query head scores the tile's keys KEYS at a
 // time (independent chains, one reduction); the V sums go through the tile V_CHUNKS chunks of HEAD_DIM at a
 // time, so that neither loop holds more vectors than there are registers. The first pass over the V rows
-// requests the next tile's rows of this head (`next`, NULL past the last tile: next_valid of them) into L1,
+// requests the next tile's rows of this head (`next`: next_valid of them, none past the last tile) into L1,
 // one key's K and V per key, spread over the arithmetic (without: 2x slower in the bfloat16 kernel).
 static void head_tile(head_state *h, const cache_element *const rows[TILE], int valid,
                       const cache_element *const next[TILE], int next_valid, int64_t key_offset,
@@ -151,15 +150,10 @@ static void attend_heads(const float *q, float *out, const cache_element *cache,
         // A short tile's rows past `valid` repeat its last key, so that whole groups of KEYS are scored; their
         // scores are dropped.
         const cache_element *rows[TILE], *next[TILE];
-        for (int i = 0; i < TILE; i++) {
-            const int64_t position = start + (i < valid ? i : valid - 1);
-            rows[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
-        }
+        cache_rows(cache, table, block_size, token_stride, start, valid, rows);
+        for (int i = valid; i < TILE; i++) rows[i] = rows[valid - 1];
         const int next_valid = keys - start - TILE < TILE ? (int)(keys - start - TILE) : TILE;  // <= 0: none
-        for (int i = 0; i < next_valid; i++) {
-            const int64_t position = start + TILE + i;
-            next[i] = cache + (table[position / block_size] * block_size + position % block_size) * token_stride;
-        }
+        if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + TILE, next_valid, next);
         float key_scales[MAX_TASK_HEADS][TILE], value_scales[MAX_TASK_HEADS][TILE];  // an int8 cache's
 #ifdef KV_INT8
         kv_int8_tile_scales(rows, valid, TILE, num_kv_heads, HEAD_DIM, first_head, heads, &key_scales[0][0],

@@ -1,11 +1,15 @@
 // Where a sequence's tokens sit in one layer's paged KV cache ([blocks, block_size, 2, kv_heads, HEAD_DIM] of
-// bfloat16, or of int8 with scales: kv_cache.h), shared by the bfloat16 attention kernels.
+// the model's dtype, or of int8 with scales: kv_cache.h), shared by the attention kernels. PAGED_CACHE_VALUE:
+// the element type of a cache in the model's dtype (bfloat16's bits unless the includer says float).
 #pragma once
 #include <stdint.h>
 
 #include "kv_cache.h"
 
-typedef KV_ELEMENT(uint16_t) cache_element;  // bfloat16's bits, or int8
+#ifndef PAGED_CACHE_VALUE
+#define PAGED_CACHE_VALUE uint16_t
+#endif
+typedef KV_ELEMENT(PAGED_CACHE_VALUE) cache_element;  // the model dtype's, or int8
 
 // The cache rows of positions [start, start + count): one division per tile, not one per row.
 static inline void cache_rows(const cache_element *cache, const int64_t *table, int block_size, int64_t token_stride,

@@ -100,17 +100,29 @@ static inline void w8a8_store_row(__m512 sum0, __m512 sum1, float offset, __m512
     store_bf16(out + 16, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum1, o), s1), b1)));
 }
 
+// Group g's (of `groups`) share of lines [first_line, last_line) of each half of the next panel `next` (or NULL;
+// a line: 4 k of 16 columns, half_bytes apart), requested into L2: a tile requesting its share of the next panel
+// this way spreads the requests over its arithmetic, and the panel's tiles together request all of it.
+// Inlined: a call inside a tile's loop spills the tile's accumulators around it.
+static inline __attribute__((always_inline)) void w8a8_prefetch_share(const uint8_t *next, int64_t half_bytes,
+                                                                     int64_t first_line, int64_t last_line,
+                                                                     int64_t g, int64_t groups) {
+    if (!next) return;
+    for (int64_t line = first_line + (last_line - first_line) * g / groups;
+         line < first_line + (last_line - first_line) * (g + 1) / groups; line++) {
+        _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(next + half_bytes + line * 64), _MM_HINT_T1);
+    }
+}
+
 #if defined(PANEL_GEMM_AMX)
 // Rows [0, rows) of a (rows <= 32, the tiles configured for them) times one packed panel into out's 32
 // columns (row stride n). Per group of 64 k: one tdpbsud per 16 rows x 16 outputs, its int32 tile stored and
 // scaled into float32 sums in L1 (the VNNI path's arithmetic, in its order). `next` (or NULL): the next panel
-// in memory (INT8_PANELS), all of it requested into L2 by the panel's first tile (first_line 0), a line for each
-// line read (the tiles take 32 rows at a time here: most panels have one).
+// in memory (INT8_PANELS), whose lines [first_line, last_line) this tile requests (w8a8_prefetch_share).
 static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, int64_t first_line,
                       int64_t last_line, const float *col_scales, const uint16_t *bias, uint16_t *out, int64_t n,
                       int rows) {
-    (void)last_line;
-    if (first_line != 0) next = NULL;
     const int64_t groups = k / W8A8_GROUP, half_bytes = k / 4 * 64;
     const int second = rows - TILE_ROWS;  // rows in the second A tile (if positive)
     // [row tile][16 outputs of the panel's half][row][16]: tile (t, h) is tdpbsud's destination 4 + 2t + h.
@@ -119,11 +131,7 @@ static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint
     memset(sums, 0, sizeof(sums));
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *w0 = panel + g * 1024, *w1 = w0 + half_bytes;
-        if (next)
-            for (int line = 0; line < 1024; line += 64) {
-                _mm_prefetch((const char *)(next + g * 1024 + line), _MM_HINT_T1);
-                _mm_prefetch((const char *)(next + half_bytes + g * 1024 + line), _MM_HINT_T1);
-            }
+        w8a8_prefetch_share(next, half_bytes, first_line, last_line, g, groups);
         _tile_zero(4);
         _tile_zero(5);
         _tile_loadd(0, a.q + g * W8A8_GROUP, k);
@@ -175,9 +183,8 @@ static inline __m512i w8a8_dot(__m512i acc, __m512i u, __m512i q) {
 
 // Rows [0, rows) of a (a constant count up to W8A8_TILE_ROWS) times one packed panel into out's 32 columns
 // from `out` (row stride n). Inlined per row count, so the accumulators are registers.
-// `next` (or NULL): the next panel in memory (INT8_PANELS), whose lines [first_line, last_line) of each half
-// (a line: 4 k of 16 columns) this tile requests into L2, spread over its groups: each tile of the panel
-// requests its share, so that the requests overlap all of the panel's arithmetic, not the first tile's only.
+// `next` (or NULL): the next panel in memory (INT8_PANELS), whose lines [first_line, last_line) this tile
+// requests (w8a8_prefetch_share).
 static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64_t k, const uint8_t *panel,
                                                            const uint8_t *next, int64_t first_line,
                                                            int64_t last_line, const float *col_scales,
@@ -190,12 +197,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc0[W8A8_TILE_ROWS], acc1[W8A8_TILE_ROWS];
         for (int m = 0; m < rows; m++) acc0[m] = acc1[m] = _mm512_setzero_si512();
-        if (next)
-            for (int64_t line = first_line + (last_line - first_line) * g / groups;
-                 line < first_line + (last_line - first_line) * (g + 1) / groups; line++) {
-                _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T1);
-                _mm_prefetch((const char *)(next + half_bytes + line * 64), _MM_HINT_T1);
-            }
+        w8a8_prefetch_share(next, half_bytes, first_line, last_line, g, groups);
         for (int64_t p = g * W8A8_GROUP / 4; p < (g + 1) * W8A8_GROUP / 4; p++) {
             const __m512i wa = _mm512_load_si512(w0 + p * 64), wb = _mm512_load_si512(w1 + p * 64);
             for (int m = 0; m < rows; m++) {
