@@ -210,19 +210,22 @@ def random_quantized_weight(format: str, n: int, k: int, generator: torch.Genera
 
 
 def quant(kernels: QuantGemm, rows: int, format: str, panels: bool, against: tuple[str, QuantGemm] | None = None,
-          trials: int = 30) -> None:
+          trials: int = 30, dtype: torch.dtype = torch.bfloat16) -> None:
     generator = torch.Generator().manual_seed(0)
     shapes = LINEAR_SHAPES * LAYERS
     weights = [random_quantized_weight(format, n, k, generator) for n, k in shapes]
-    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LINEAR_SHAPES}
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for _, k in LINEAR_SHAPES}
     weight_bytes = sum(weight.nbytes for weight in weights)
-    runs = {} if format == "int8_panels" else {f"GEMV, {kernels.dot_product}": kernels.gemm}
+    # int8 panels take float32 rows only on AVX2's W8A8 GEMM (through gemm), bfloat16 ones only as --panels.
+    w8a8_f32 = format == "int8_panels" and dtype == torch.float32
+    runs = {f"GEMV, {kernels.dot_product}": kernels.gemm} if format != "int8_panels" else \
+        {f"W8A8, {kernels.w8a8_name}": kernels.gemm} if w8a8_f32 else {}
     if panels:
         runs = {**({} if rows > GEMV_MAX_ROWS else runs), f"panels on {kernels.panel_gemm_name}": kernels.panel_gemm,
                 "dequantize + F.linear": lambda x, w: F.linear(x, kernels.dequantize(w, torch.bfloat16))}
     if against:  # the same entry points of the other tree's kernels, alternated
         other = {f"GEMV, {kernels.dot_product}": against[1].gemm, f"panels on {kernels.panel_gemm_name}":
-                 against[1].panel_gemm}
+                 against[1].panel_gemm, f"W8A8, {kernels.w8a8_name}": against[1].gemm}
         for name, run in runs.items():
             if name in other:
                 print(f"{name}, {format}, {rows} rows, 120 calls:")
@@ -262,7 +265,7 @@ def main() -> None:
     parser.add_argument("--vs-torch", action="store_true", help="gemm: time torch's F.linear too")
     parser.add_argument("--per-call", action="store_true", help="gemm: sum each call's best time (a busy machine)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="gemm and attention: the dtype (the KV cache's too)")
+                        help="gemm, attention and quant: the dtype (attention: the KV cache's too; quant: the rows')")
     # The K-quants' rows are whole super-blocks of 256, which SmolLM2's widths (576) are not.
     parser.add_argument("--format", choices=[f for f in QUANT_FORMATS if f not in SUPER_BLOCK_FORMATS], default="q4_1",
                         help="quant: weight format")
@@ -289,7 +292,8 @@ def main() -> None:
             with kernels_built_from(args.against):
                 against = (str(args.against), load())
         for rows in args.rows:
-            quant(kernels, rows, args.format, args.panels, against if args.against else None, args.trials)
+            quant(kernels, rows, args.format, args.panels, against if args.against else None, args.trials,
+                  getattr(torch, args.dtype))
         return
 
     def native() -> NativeKernels:
