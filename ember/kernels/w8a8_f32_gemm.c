@@ -15,7 +15,7 @@
 // Included by quant_gemm.c (its horizontal_max); needs only AVX2.
 
 #define W8A8_GROUP 64  // activations' values per scale (w8a8_panel_gemm.c's too)
-#define W8A8_F32_ROWS 4       // rows per register tile: 4 x 2 int32 accumulators, 2 weight vectors, 4 helpers
+#define W8A8_F32_ROWS 3  // rows per register tile: 3 x 2 accumulators beside the weights fit 16 registers; 4 spilled
 #define W8A8_F32_OUTPUTS 16   // outputs per tile: half a panel, one 64-byte line per 4 k
 #define W8A8_F32_PREFETCH 4096  // bytes of weights requested ahead by a half panel's first tile
 #define W8A8_F32_CHUNK 4  // half panels a thread takes at a time
@@ -25,9 +25,10 @@
 static __thread uint8_t *w8a8_f32_scratch;
 static __thread size_t w8a8_f32_scratch_bytes;
 
-// x [rows, k] (float32, row stride x_stride) -> q [rows, k] int8 and scales [rows, k / W8A8_GROUP].
+// x [rows, k] (float32, row stride x_stride) -> q [rows, k] int8, their magnitudes |q| [rows, k] and scales
+// [rows, k / W8A8_GROUP].
 static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, int64_t k, int8_t *q,
-                                   float *scales) {
+                                   uint8_t *magnitudes, float *scales) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const int64_t groups = k / W8A8_GROUP;
     for (int r = 0; r < rows; r++)
@@ -42,6 +43,7 @@ static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, i
             const float scale = horizontal_max(amax) / 127.0f;
             const __m256 inverse = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
             int8_t *out = q + r * k + g * W8A8_GROUP;
+            uint8_t *out_magnitudes = magnitudes + r * k + g * W8A8_GROUP;
             for (int i = 0; i < W8A8_GROUP / 16; i++) {  // 16 values: two vectors of int32 packed to bytes
                 const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], inverse));
                 const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i + 1], inverse));
@@ -49,24 +51,29 @@ static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, i
                 const __m128i bytes =
                     _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
                 // bytes: low 0-3, high 0-3, low 4-7, high 4-7 -> 32-bit groups in order 0, 2, 1, 3
-                _mm_storeu_si128((__m128i *)(out + 16 * i), _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
+                const __m128i ordered = _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0));
+                _mm_storeu_si128((__m128i *)(out + 16 * i), ordered);
+                _mm_storeu_si128((__m128i *)(out_magnitudes + 16 * i), _mm_abs_epi8(ordered));
             }
             scales[r * groups + g] = scale;
         }
 }
 
-// Rows [0, rows) (a constant up to W8A8_F32_ROWS) of q times one half panel (16 outputs; `lines`: its k / 4
-// lines of 64 bytes) into out's 16 columns (row stride n), plus bias (16 values or NULL), times col_scales. With
-// `prefetch` (the half panel's first tile, which reads it from memory), the weights W8A8_F32_PREFETCH bytes
-// ahead are requested along the way: the hardware prefetcher alone leaves a decode's single stream per thread
-// at about half the memory bandwidth.
-static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q, const float *x_scales, int64_t k,
+// Rows [0, rows) (a constant up to W8A8_F32_ROWS) of q (magnitudes in magnitudes, the same layout) times one
+// half panel (16 outputs; `lines`: its k / 4 lines of 64 bytes) into out's 16 columns (row stride n), plus bias
+// (16 values or NULL), times col_scales. Per 4 k and row: two broadcasts (q and |q|, both quantized ahead, so
+// no vpabsb here), two vpsignb, two vpmaddubsw, two vpmaddwd and two vpaddd; the group sums go through `out` (in
+// L1), so that no accumulator leaves the registers. With `prefetch` (the half
+// panel's first tile, which reads it from memory), the weights W8A8_F32_PREFETCH bytes ahead are requested along
+// the way: the hardware prefetcher alone leaves a decode's single stream per thread at about half the memory
+// bandwidth.
+static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q, const uint8_t *magnitudes,
+                                                               const float *x_scales, int64_t k,
                                                                const uint8_t *lines, int prefetch,
                                                                const float *col_scales, const float *bias,
                                                                float *out, int64_t n, const int rows) {
     const int64_t groups = k / W8A8_GROUP;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    float sums[W8A8_F32_ROWS][W8A8_F32_OUTPUTS] __attribute__((aligned(32))) = {{0}};
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[W8A8_F32_ROWS][2];
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
@@ -77,7 +84,7 @@ static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q,
             const __m256i w1 = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(lines + p * 64 + 32)), flip);
             for (int m = 0; m < rows; m++) {
                 const __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(q + m * k + 4 * p));
-                const __m256i magnitude = _mm256_abs_epi8(x4);
+                const __m256i magnitude = _mm256_set1_epi32(*(const int32_t *)(magnitudes + m * k + 4 * p));
                 acc[m][0] = _mm256_add_epi32(
                     acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, x4)), ones));
                 acc[m][1] = _mm256_add_epi32(
@@ -88,23 +95,27 @@ static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q,
             const __m256 scale = _mm256_set1_ps(x_scales[m * groups + g]);
             for (int h = 0; h < 2; h++) {
                 const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][h]), scale);
-                _mm256_store_ps(sums[m] + 8 * h, _mm256_add_ps(_mm256_load_ps(sums[m] + 8 * h), scaled));
+                float *sums = out + m * n + 8 * h;
+                _mm256_storeu_ps(sums, g == 0 ? scaled : _mm256_add_ps(_mm256_loadu_ps(sums), scaled));
             }
         }
     }
     for (int h = 0; h < 2; h++) {
         const __m256 s = _mm256_loadu_ps(col_scales + 8 * h);
         const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
-        for (int m = 0; m < rows; m++)
-            _mm256_storeu_ps(out + m * n + 8 * h, _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(sums[m] + 8 * h), s), b));
+        for (int m = 0; m < rows; m++) {
+            float *sums = out + m * n + 8 * h;
+            _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sums), s), b));
+        }
     }
 }
 
-static void w8a8_f32_rows(const int8_t *q, const float *x_scales, int64_t k, const uint8_t *lines, int prefetch,
-                          const float *col_scales, const float *bias, float *out, int64_t n, int rows) {
-#define W8A8_F32_TILE(ROWS) w8a8_f32_tile(q, x_scales, k, lines, prefetch, col_scales, bias, out, n, ROWS)
+static void w8a8_f32_rows(const int8_t *q, const uint8_t *magnitudes, const float *x_scales, int64_t k,
+                          const uint8_t *lines, int prefetch, const float *col_scales, const float *bias, float *out,
+                          int64_t n, int rows) {
+#define W8A8_F32_TILE(ROWS) \
+    w8a8_f32_tile(q, magnitudes, x_scales, k, lines, prefetch, col_scales, bias, out, n, ROWS)
     switch (rows) {
-        case 4: W8A8_F32_TILE(4); break;
         case 3: W8A8_F32_TILE(3); break;
         case 2: W8A8_F32_TILE(2); break;
         default: W8A8_F32_TILE(1); break;
@@ -122,7 +133,7 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
                                 const float *bias, float *out, int rows, int64_t n, int64_t k) {
     const int64_t halves = n / W8A8_F32_OUTPUTS;
     const int64_t groups = k / W8A8_GROUP;
-    const size_t bytes = (size_t)rows * ((size_t)groups * sizeof(float) + (size_t)k);
+    const size_t bytes = (size_t)rows * ((size_t)groups * sizeof(float) + 2 * (size_t)k);
     if (bytes > w8a8_f32_scratch_bytes) {
         free(w8a8_f32_scratch);
         w8a8_f32_scratch_bytes = (bytes + 63) / 64 * 64;
@@ -130,15 +141,20 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
     }
     float *x_scales = (float *)w8a8_f32_scratch;
     int8_t *q = (int8_t *)(x_scales + (size_t)rows * (size_t)groups);
-    w8a8_f32_quantize_rows(x, x_stride, rows, k, q, x_scales);
+    uint8_t *magnitudes = (uint8_t *)q + (size_t)rows * (size_t)k;
+    w8a8_f32_quantize_rows(x, x_stride, rows, k, q, magnitudes, x_scales);
 #pragma omp for schedule(dynamic, W8A8_F32_CHUNK) nowait
     for (int64_t h = 0; h < halves; h++) {
         // Half h: panel h / 2's half h % 2, whose k / 4 lines follow each other.
         const uint8_t *lines = (const uint8_t *)panels + (h / 2) * 2 * W8A8_F32_OUTPUTS * k + (h % 2) * (k / 4) * 64;
-        for (int first = 0; first < rows; first += W8A8_F32_ROWS)
-            w8a8_f32_rows(q + (int64_t)first * k, x_scales + first * groups, k, lines, first == 0,
-                          (const float *)col_scales + h * W8A8_F32_OUTPUTS,
+        for (int first = 0, tile; first < rows; first += tile) {
+            // Tiles of 3 rows, the last four as 2 + 2: a tile of one row pays the weights' loads for a third of
+            // the arithmetic.
+            tile = rows - first == 4 ? 2 : rows - first < W8A8_F32_ROWS ? rows - first : W8A8_F32_ROWS;
+            w8a8_f32_rows(q + (int64_t)first * k, magnitudes + (int64_t)first * k, x_scales + first * groups, k, lines,
+                          first == 0, (const float *)col_scales + h * W8A8_F32_OUTPUTS,
                           bias ? bias + h * W8A8_F32_OUTPUTS : NULL, out + (int64_t)first * n + h * W8A8_F32_OUTPUTS, n,
-                          rows - first < W8A8_F32_ROWS ? rows - first : W8A8_F32_ROWS);
+                          tile);
+        }
     }
 }
