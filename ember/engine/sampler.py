@@ -29,7 +29,7 @@ class SampledToken:
 class Sampler:
     def __init__(self, device: torch.device, seed: int, native: NativeKernels | None = None) -> None:
         self.device = device
-        self.native = native  # its argmax takes bfloat16 logits at memory speed
+        self.native = native  # its argmax takes logits of the model's dtype at memory speed
         # Draws for requests without a seed: one generator per runner, so a run is reproducible from args.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -53,7 +53,7 @@ class Sampler:
             logits = logits.float()
         logits = self._apply_min_tokens(logits, metadata)
         logits = self._apply_penalties(logits, metadata)
-        if logits.dtype == torch.bfloat16 and self.native is not None and logits.is_contiguous():
+        if self.native is not None and logits.dtype == self.native.dtype and logits.is_contiguous():
             ids = self.native.argmax(logits).tolist()
         else:
             ids = _argmax(logits).tolist()

@@ -19,6 +19,9 @@ static inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_
 static inline vfloat vfnmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+static inline float vmax_lane(vfloat v) { return _mm512_reduce_max_ps(v); }
+// Bit i set where lane i of a equals lane i of b (ordered: NaN equals nothing; -0 equals +0).
+static inline uint32_t vequal_lanes(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 // 2^n for whole n in [-126, 127], through the exponent bits.
 static inline vfloat vpow2(vfloat n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
@@ -41,6 +44,14 @@ static inline float vsum(vfloat v) {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+static inline float vmax_lane(vfloat v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+static inline uint32_t vequal_lanes(vfloat a, vfloat b) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
 }
 static inline vfloat vpow2(vfloat n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));

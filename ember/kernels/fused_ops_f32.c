@@ -100,3 +100,31 @@ void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed,
 #pragma omp parallel num_threads(num_threads) if (rows * row_width >= PARALLEL_MIN_ELEMENTS)
     rotary_and_cache_f32_rows(qkv, cos, sin_signed, slots, cache, rows, num_heads, num_kv_heads, head_dim);
 }
+
+// out[row] = the index of the row's largest value, the first one on ties (torch.max(dim=-1).indices; -0 ties
+// +0). One pass finds the maximum, a second its first index: the row is still in cache. torch's own reduction
+// over [rows, vocabulary] float32 logits took 0.12 ms at one row and 1.8 ms at 32 on a 2-core Zen 3, a greedy
+// step's sampler nearly whole.
+void argmax_f32_rows(const float *x, int64_t *out, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t row = 0; row < rows; row++) {
+        const float *values = x + row * width;
+        const int64_t whole = width - width % LANES;
+        vfloat best = vset1(-INFINITY);
+        for (int64_t i = 0; i < whole; i += LANES) best = vmax(best, vload(values + i));
+        float maximum = vmax_lane(best);
+        for (int64_t i = whole; i < width; i++)
+            if (values[i] > maximum) maximum = values[i];
+        const vfloat target = vset1(maximum);
+        int64_t index = whole;
+        for (int64_t i = 0; i < whole; i += LANES) {
+            const uint32_t hit = vequal_lanes(vload(values + i), target);
+            if (hit) {
+                index = i + __builtin_ctz(hit);
+                break;
+            }
+        }
+        while (index < width - 1 && values[index] != maximum) index++;
+        out[row] = index;
+    }
+}

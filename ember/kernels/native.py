@@ -96,6 +96,8 @@ class NativeKernels:
         prefill = "paged_prefill_attention_f32" if float32 else "paged_prefill_attention_avx512"
         self._prefill = bind(attention, prefill, *_PREFILL_ARGTYPES)
         self._silu_and_mul = bind(fused, f"silu_and_mul{suffix}", _pointer, _pointer, _int64, _int64, _int)
+        self._argmax = bind(fused, "argmax_f32_rows" if float32 else "argmax_bf16_rows", _pointer, _pointer, _int64,
+                            _int64, _int)
         self._rotary_and_cache = bind(fused, f"rotary_and_cache{suffix}", _pointer, _pointer, _pointer, _pointer,
                                       _pointer, _int64, _int, _int, _int, _int)
         self.gemm_name: str | None = None
@@ -113,7 +115,6 @@ class NativeKernels:
 
     def _bind_bfloat16_only(self, fused: ctypes.CDLL, shape: tuple[tuple[str, int], ...], level: str,
                             gemm: str) -> None:
-        self._argmax = bind(fused, "argmax_bf16_rows", _pointer, _pointer, _int64, _int64, _int)
         self._apply_token_bitmask = bind(
             fused, "apply_token_bitmask_bf16_rows", _pointer, _pointer, _pointer, _int64, _int64, _int64, _int
         )
@@ -222,9 +223,9 @@ class NativeKernels:
         return out
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """Each row's first maximal index of a bfloat16 [N, V] tensor (contiguous) -> int64 [N]; the same as
-        rows.float().max(dim=-1).indices, at memory speed."""
-        _check(rows.dtype == torch.bfloat16 and rows.is_contiguous(), "argmax")
+        """Each row's first maximal index of a [N, V] tensor of the kernels' dtype (contiguous) -> int64 [N]; the
+        same as rows.float().max(dim=-1).indices, at memory speed."""
+        _check(rows.dtype == self.dtype and rows.is_contiguous(), "argmax")
         out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
         self._argmax(rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], torch.get_num_threads())
         return out

@@ -86,6 +86,19 @@ def test_silu_and_mul(native: NativeKernels) -> None:
     assert close(native.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
 
 
+@pytest.mark.parametrize("width", [49152, 1000, 37, 16, 1])
+def test_argmax_is_the_first_maximal_index(native: NativeKernels, width: int) -> None:
+    rows = torch.randn(9, width, generator=torch.Generator().manual_seed(width)) * 5 - 3
+    rows[1] = -7.0  # every value tied: index 0
+    rows[2, -1] = 1e4  # the maximum in the last element (past the last whole vector when width % LANES)
+    if width > 20:
+        rows[3, 5] = rows[3, width - 3] = 1e4  # two maxima: the first wins
+        rows[4] = -1.0
+        rows[4, 17] = -0.0
+        rows[4, 18] = 0.0  # -0 ties +0
+    assert native.argmax(rows).tolist() == rows.max(dim=-1).indices.tolist()
+
+
 def test_rotary_and_cache(native: NativeKernels) -> None:
     torch.manual_seed(2)
     cos, sin = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None, torch.float32, CPU)(torch.randint(0, 4096, (21,)))
