@@ -4,6 +4,13 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+// The largest of 8 lanes (AVX's width, whatever the build's vectors).
+static inline float max8(__m256 v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
 #ifdef __AVX512F__
 #define LANES 16
 typedef __m512 vfloat;
@@ -45,11 +52,7 @@ static inline float vsum(vfloat v) {
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
-static inline float vmax_lane(vfloat v) {
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-}
+static inline float vmax_lane(vfloat v) { return max8(v); }
 static inline uint32_t vequal_lanes(vfloat a, vfloat b) {
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
 }

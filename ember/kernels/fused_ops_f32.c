@@ -103,8 +103,7 @@ void rotary_and_cache_f32(float *qkv, const float *cos, const float *sin_signed,
 
 // out[row] = the index of the row's largest value, the first one on ties (torch.max(dim=-1).indices; -0 ties
 // +0). One pass finds the maximum, a second its first index: the row is still in cache. torch's own reduction
-// over [rows, vocabulary] float32 logits took 0.12 ms at one row and 1.8 ms at 32 on a 2-core Zen 3, a greedy
-// step's sampler nearly whole.
+// over float32 logits is several times slower, most of a greedy step's sampler (docs/benchmarks.md).
 void argmax_f32_rows(const float *x, int64_t *out, int64_t rows, int64_t width, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int64_t row = 0; row < rows; row++) {

@@ -87,10 +87,17 @@ static void head_tile(head_state *h, const cache_element *const rows[TILE], int 
 #else
     (void)key_scales;
 #endif
+    // Each head's new maximum, KEYS scores a vector, lanes past `valid` as -inf: max_ps(s, m) is s > m ? s : m,
+    // so NaN scores are passed over, as a scalar loop's comparisons would.
     float new_max[QUERIES_PER_KV];
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int g = 0; g < QUERIES_PER_KV; g++) {
-        new_max[g] = h->running_max[g];
-        for (int i = 0; i < valid; i++) new_max[g] = scores[g][i] > new_max[g] ? scores[g][i] : new_max[g];
+        __m256 m = _mm256_set1_ps(h->running_max[g]);
+        for (int i0 = 0; i0 < valid; i0 += KEYS) {
+            const __m256 real = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - i0), lane));
+            m = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(scores[g] + i0), real), m);
+        }
+        new_max[g] = max8(m);
     }
     // The heads' rescaling factors in vector exps, not a libm expf call each (docs/benchmarks.md). The first
     // tile's exp(-inf) comes out as exp(-87) from the clamp: it scales zeros.
