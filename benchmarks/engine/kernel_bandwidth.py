@@ -217,9 +217,12 @@ def quant(kernels: QuantGemm, rows: int, format: str, panels: bool, against: tup
     inputs = {k: torch.randn(rows, k, dtype=dtype) for _, k in LINEAR_SHAPES}
     weight_bytes = sum(weight.nbytes for weight in weights)
     # int8 panels take float32 rows only on AVX2's W8A8 GEMM (through gemm), bfloat16 ones only as --panels.
-    w8a8_f32 = format == "int8_panels" and dtype == torch.float32
-    runs = {f"GEMV, {kernels.dot_product}": kernels.gemm} if format != "int8_panels" else \
-        {f"W8A8, {kernels.w8a8_name}": kernels.gemm} if w8a8_f32 else {}
+    if format != "int8_panels":
+        runs = {f"GEMV, {kernels.dot_product}": kernels.gemm}
+    elif dtype == torch.float32:
+        runs = {f"W8A8, {kernels.w8a8_name}": kernels.gemm}
+    else:
+        runs = {}
     if panels:
         runs = {**({} if rows > GEMV_MAX_ROWS else runs), f"panels on {kernels.panel_gemm_name}": kernels.panel_gemm,
                 "dequantize + F.linear": lambda x, w: F.linear(x, kernels.dequantize(w, torch.bfloat16))}
@@ -284,6 +287,8 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
     if args.against and not (args.against / "paged_attention.c").is_file():
         parser.error(f"--against {args.against}: not a folder of ember's kernel sources (no paged_attention.c)")
+    if args.kernel == "quant" and args.panels and args.dtype != "bfloat16":
+        parser.error("quant --panels: the panels take bfloat16 rows (leave --dtype at bfloat16)")
     if args.kernel == "quant":
         def load() -> QuantGemm:
             return load_quant_gemm(args.kernels or "auto")

@@ -63,10 +63,9 @@ static void w8a8_f32_quantize_rows(const float *x, int64_t x_stride, int rows, i
 // half panel (16 outputs; `lines`: its k / 4 lines of 64 bytes) into out's 16 columns (row stride n), plus bias
 // (16 values or NULL), times col_scales. Per 4 k and row: two broadcasts (q and |q|, both quantized ahead, so
 // no vpabsb here), two vpsignb, two vpmaddubsw, two vpmaddwd and two vpaddd; the group sums go through `out` (in
-// L1), so that no accumulator leaves the registers. With `prefetch` (the half
-// panel's first tile, which reads it from memory), the weights W8A8_F32_PREFETCH bytes ahead are requested along
-// the way: the hardware prefetcher alone leaves a decode's single stream per thread at about half the memory
-// bandwidth.
+// L1), so that no accumulator leaves the registers. With `prefetch` (the half panel's first tile, which reads it
+// from memory), the weights W8A8_F32_PREFETCH bytes ahead are requested along the way: the hardware prefetcher
+// alone leaves a decode's single stream per thread at about half the memory bandwidth.
 static inline __attribute__((always_inline)) void w8a8_f32_tile(const int8_t *q, const uint8_t *magnitudes,
                                                                const float *x_scales, int64_t k,
                                                                const uint8_t *lines, int prefetch,
@@ -150,7 +149,8 @@ static void w8a8_f32_gemm_share(const void *panels, const void *col_scales, cons
         for (int first = 0, tile; first < rows; first += tile) {
             // Tiles of 3 rows, the last four as 2 + 2: a tile of one row pays the weights' loads for a third of
             // the arithmetic.
-            tile = rows - first == 4 ? 2 : rows - first < W8A8_F32_ROWS ? rows - first : W8A8_F32_ROWS;
+            const int left = rows - first;
+            tile = left == 4 ? 2 : left < W8A8_F32_ROWS ? left : W8A8_F32_ROWS;
             w8a8_f32_rows(q + (int64_t)first * k, magnitudes + (int64_t)first * k, x_scales + first * groups, k, lines,
                           first == 0, (const float *)col_scales + h * W8A8_F32_OUTPUTS,
                           bias ? bias + h * W8A8_F32_OUTPUTS : NULL, out + (int64_t)first * n + h * W8A8_F32_OUTPUTS, n,
