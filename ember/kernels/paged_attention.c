@@ -1,5 +1,5 @@
 // Decode and prompt-chunk attention read in place from the paged bfloat16 KV cache, AVX-512F (no AMX). Where the
-// build has AVX512-BF16, both products are its dot products: q k^T straight from the cache, and P V over pairs of
+// build has AVX512-BF16, q k^T is its dot product straight from the cache, and without AMX so is P V, over pairs of
 // keys with P rounded to bfloat16 (as llama.cpp's CPU flash attention keeps it in fp16). Else float32 FMAs of
 // widened bf16 inputs, P in float32, like SDPA's.
 //
@@ -25,8 +25,16 @@
 #include "paged_cache.h"
 
 #define CHUNKS (HEAD_DIM / 16)
-#if defined(__AVX512BF16__) && !defined(KV_INT8)
-#define PV_BF16 1  // P V in vdpbf16ps over pairs of keys
+// P V in vdpbf16ps over pairs of keys, and the next tile requested into L1, where AVX512-BF16 comes without AMX
+// (AMD Zen 4/5); with AMX (Intel's cores) P V in float32 FMAs and the next tile into L2 ran faster
+// (docs/benchmarks.md, "Emerald Rapids a third time").
+#if defined(__AVX512BF16__) && !defined(KV_INT8) && !defined(__AMX_TILE__)
+#define PV_BF16 1
+#endif
+#ifdef __AMX_TILE__
+#define NEXT_TILE_HINT _MM_HINT_T1
+#else
+#define NEXT_TILE_HINT _MM_HINT_T0
 #endif
 #define TILE 16
 #ifndef AHEAD
@@ -117,8 +125,8 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int r = 0; r < rows; r++) row_valid[r] = keys + r - start < TILE ? keys + r - start : TILE;
         const cache_element *cache_row[TILE];
         cache_rows(cache, table, block_size, token_stride, start, valid, cache_row);
-        // The next tile's rows are scattered over blocks: the loop below requests them into L1 (into L2 was
-        // slower) while it computes this tile, one row's K and V of the head at hand per key. Spread like this,
+        // The next tile's rows are scattered over blocks: the loop below requests them (NEXT_TILE_HINT) while it
+        // computes this tile, one row's K and V of the head at hand per key. Spread like this,
         // the requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until the
         // line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads, even with the
         // blocks in order (2x slower).
@@ -163,11 +171,11 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
                 if (i < next_valid) {
                     for (int c = 0; c < HEAD_DIM * (int)sizeof(cache_element); c += 64) {
-                        _mm_prefetch((const char *)(next[i] + key_offset) + c, _MM_HINT_T0);
-                        _mm_prefetch((const char *)(next[i] + value_offset) + c, _MM_HINT_T0);
+                        _mm_prefetch((const char *)(next[i] + key_offset) + c, NEXT_TILE_HINT);
+                        _mm_prefetch((const char *)(next[i] + value_offset) + c, NEXT_TILE_HINT);
                     }
 #ifdef KV_INT8
-                    _mm_prefetch((const char *)kv_int8_scales(next[i], num_kv_heads, HEAD_DIM), _MM_HINT_T0);
+                    _mm_prefetch((const char *)kv_int8_scales(next[i], num_kv_heads, HEAD_DIM), NEXT_TILE_HINT);
 #endif
                 }
 #ifdef KV_INT8
