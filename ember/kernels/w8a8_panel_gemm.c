@@ -91,13 +91,11 @@ static void w8a8_pack_panel(const void *values, int64_t first, int64_t k, int pr
         }
 }
 
-// One output row's 32 values from its two halves' group sums: (sum - offset) * column scale + bias, rounded to
-// bfloat16 (both paths' last step, in this order).
-static inline void w8a8_store_row(__m512 sum0, __m512 sum1, float offset, __m512 s0, __m512 s1, __m512 b0,
-                                  __m512 b1, uint16_t *out) {
-    const __m512 o = _mm512_set1_ps(offset);
-    store_bf16(out, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum0, o), s0), b0)));
-    store_bf16(out + 16, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum1, o), s1), b1)));
+// 16 of an output row's values from their group sums: (sum - offset) * column scale + bias, rounded to bfloat16
+// (both paths' last step, in this order).
+static inline void w8a8_store_half(__m512 sum, float offset, __m512 column_scales, __m512 column_bias, uint16_t *out) {
+    store_bf16(out, round_bf16(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(sum, _mm512_set1_ps(offset)), column_scales),
+                                             column_bias)));
 }
 
 // Group g's (of `groups`) share of lines [first_line, last_line) of each half of the next panel `next` (or NULL;
@@ -116,61 +114,58 @@ static inline __attribute__((always_inline)) void w8a8_prefetch_share(const uint
 }
 
 #if defined(PANEL_GEMM_AMX)
+// One row tile's (t) products with one half (h) of a panel over every group, its 16 rows' float32 sums kept in
+// registers: per group of 64 k one tdpbsud, its int32 tile stored and each row's products scaled into its sum (the
+// VNNI path's arithmetic, in its order), then the rows stored. Row tiles and halves are passes: the A and B tiles
+// are read again from L1/L2 for each, and each group's int32 products go to L1 once. A macro, as the tile numbers
+// must be literals: A tile A_TILE, destination DEST (configured for `count` rows), B tile 2.
+#define W8A8_PASS(A_TILE, DEST, t, h)                                                                                \
+    do {                                                                                                         \
+        const int count = (t) ? second : first;                                                                  \
+        const int8_t *tile_q = a.q + (int64_t)(t) * TILE_ROWS * k;                                              \
+        const float *tile_scales = a.scales + (int64_t)(t) * TILE_ROWS * groups;                                \
+        __m512 sums[TILE_ROWS];                                                                                  \
+        for (int m = 0; m < TILE_ROWS; m++) sums[m] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < groups; g++) {                                                                   \
+            w8a8_prefetch_share(next, half_bytes, first_line, last_line, pass * groups + g, passes * groups);    \
+            _tile_zero(DEST);                                                                                    \
+            _tile_loadd(A_TILE, tile_q + g * W8A8_GROUP, k);                                                     \
+            _tile_loadd(2, panel + (h) * half_bytes + g * 1024, 64);                                             \
+            _tile_dpbsud(DEST, A_TILE, 2);                                                                       \
+            _tile_stored(DEST, dots, 64);                                                                        \
+            _Pragma("GCC unroll 16") for (int m = 0; m < TILE_ROWS; m++) if (m < count) {                        \
+                const __m512 scale = _mm512_set1_ps(tile_scales[m * groups + g]);                                \
+                sums[m] = _mm512_add_ps(sums[m], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * m)), \
+                                                              scale));                                          \
+            }                                                                                                    \
+        }                                                                                                        \
+        const __m512 column_scales = _mm512_loadu_ps(col_scales + 16 * (h));                                     \
+        const __m512 column_bias = bias ? load_bf16(bias + 16 * (h)) : _mm512_setzero_ps();                      \
+        for (int m = 0; m < count; m++)                                                                          \
+            w8a8_store_half(sums[m], a.offsets[(t) * TILE_ROWS + m], column_scales, column_bias,                 \
+                            out + ((t) * TILE_ROWS + m) * n + 16 * (h));                                         \
+        pass++;                                                                                                  \
+    } while (0)
+
 // Rows [0, rows) of a (rows <= 32, the tiles configured for them) times one packed panel into out's 32
-// columns (row stride n). Per group of 64 k: one tdpbsud per 16 rows x 16 outputs, its int32 tile stored and
-// scaled into float32 sums in L1 (the VNNI path's arithmetic, in its order). `next` (or NULL): the next panel
-// in memory (INT8_PANELS), whose lines [first_line, last_line) this tile requests (w8a8_prefetch_share).
+// columns (row stride n), in passes of W8A8_PASS. `next` (or NULL): the next panel in memory (INT8_PANELS), whose
+// lines [first_line, last_line) this tile requests (w8a8_prefetch_share), spread over all the passes.
 static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, int64_t first_line,
                       int64_t last_line, const float *col_scales, const uint16_t *bias, uint16_t *out, int64_t n,
                       int rows) {
     const int64_t groups = k / W8A8_GROUP, half_bytes = k / 4 * 64;
-    const int second = rows - TILE_ROWS;  // rows in the second A tile (if positive)
-    // [row tile][16 outputs of the panel's half][row][16]: tile (t, h) is tdpbsud's destination 4 + 2t + h.
-    int32_t dots[2][2][TILE_FLOATS] __attribute__((aligned(64)));
-    float sums[2][2][TILE_FLOATS] __attribute__((aligned(64)));
-    memset(sums, 0, sizeof(sums));
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *w0 = panel + g * 1024, *w1 = w0 + half_bytes;
-        w8a8_prefetch_share(next, half_bytes, first_line, last_line, g, groups);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_loadd(0, a.q + g * W8A8_GROUP, k);
-        _tile_loadd(2, w0, 64);
-        _tile_loadd(3, w1, 64);
-        _tile_dpbsud(4, 0, 2);
-        _tile_dpbsud(5, 0, 3);
-        if (second > 0) {
-            _tile_zero(6);
-            _tile_zero(7);
-            _tile_loadd(1, a.q + TILE_ROWS * k + g * W8A8_GROUP, k);
-            _tile_dpbsud(6, 1, 2);
-            _tile_dpbsud(7, 1, 3);
-        }
-        _tile_stored(4, dots[0][0], 64);
-        _tile_stored(5, dots[0][1], 64);
-        if (second > 0) {
-            _tile_stored(6, dots[1][0], 64);
-            _tile_stored(7, dots[1][1], 64);
-        }
-        for (int m = 0; m < rows; m++) {
-            const int t = m / TILE_ROWS, row = m % TILE_ROWS;
-            const __m512 scale = _mm512_set1_ps(a.scales[m * groups + g]);
-            for (int h = 0; h < 2; h++) {
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[t][h] + 16 * row));
-                float *sum = sums[t][h] + 16 * row;
-                _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_mul_ps(dot, scale)));
-            }
-        }
-    }
-    const __m512 s0 = _mm512_loadu_ps(col_scales), s1 = _mm512_loadu_ps(col_scales + 16);
-    const __m512 b0 = bias ? load_bf16(bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? load_bf16(bias + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < rows; m++) {
-        const int t = m / TILE_ROWS, row = m % TILE_ROWS;
-        w8a8_store_row(_mm512_load_ps(sums[t][0] + 16 * row), _mm512_load_ps(sums[t][1] + 16 * row), a.offsets[m],
-                       s0, s1, b0, b1, out + m * n);
+    const int first = rows < TILE_ROWS ? rows : TILE_ROWS, second = rows - first;  // rows of each A tile
+    const int passes = second > 0 ? 4 : 2;
+    int pass = 0;
+    int32_t dots[TILE_FLOATS] __attribute__((aligned(64)));
+    W8A8_PASS(0, 4, 0, 0);
+    W8A8_PASS(0, 5, 0, 1);
+    if (second > 0) {
+        W8A8_PASS(1, 6, 1, 0);
+        W8A8_PASS(1, 7, 1, 1);
     }
 }
+#undef W8A8_PASS
 #else
 // acc + the dot products of u (unsigned bytes) and q (4 signed bytes, broadcast to every lane). In assembly:
 // GCC 12 copies the intrinsic's accumulator through other registers and the stack in the tile's loop (2.5x
@@ -215,7 +210,10 @@ static inline __attribute__((always_inline)) void w8a8_tile(w8a8_rows_t a, int64
     const __m512 s0 = _mm512_loadu_ps(col_scales), s1 = _mm512_loadu_ps(col_scales + 16);
     const __m512 b0 = bias ? load_bf16(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load_bf16(bias + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < rows; m++) w8a8_store_row(sum0[m], sum1[m], a.offsets[m], s0, s1, b0, b1, out + m * n);
+    for (int m = 0; m < rows; m++) {
+        w8a8_store_half(sum0[m], a.offsets[m], s0, b0, out + m * n);
+        w8a8_store_half(sum1[m], a.offsets[m], s1, b1, out + m * n + 16);
+    }
 }
 
 static void w8a8_rows(w8a8_rows_t a, int64_t k, const uint8_t *panel, const uint8_t *next, int64_t first_line,
