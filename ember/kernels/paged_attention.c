@@ -126,10 +126,10 @@ static inline __attribute__((always_inline)) void attend_rows(
         const cache_element *cache_row[TILE];
         cache_rows(cache, table, block_size, token_stride, start, valid, cache_row);
         // The next tile's rows are scattered over blocks: the loop below requests them (NEXT_TILE_HINT) while it
-        // computes this tile, one row's K and V of the head at hand per key. Spread like this,
-        // the requests overlap the arithmetic; issued all at once (192 lines) they stalled the core until the
-        // line-fill buffers drained, and the kernel ran slower. Without any, it waits on loads, even with the
-        // blocks in order (2x slower).
+        // computes this tile, one row's K and V of the head at hand per key. Spread like this, the requests
+        // overlap the arithmetic; issued all at once (192 lines) they stalled the core until the line-fill
+        // buffers drained, and the kernel ran slower. Without any, it waits on loads, even with the blocks in
+        // order (2x slower).
         const int64_t next_valid = last_keys - start - AHEAD < TILE ? last_keys - start - AHEAD : TILE;
         const cache_element *next[TILE];
         if (next_valid > 0) cache_rows(cache, table, block_size, token_stride, start + AHEAD, next_valid, next);
